@@ -13,7 +13,7 @@ import pytest
 
 from tachyon.data import corpus, load_corpus, load_works, split_document
 
-SOURCE_MD = resources.files("tachyon.data").joinpath("corpus", "SOURCE.md")
+SOURCE_MD = resources.files("tachyon.data").joinpath("assets", "SOURCE.md")
 
 
 def test_corpus_is_substantial_printable_text():
@@ -49,7 +49,7 @@ def test_source_md_names_origin_and_licence_and_matches_the_file():
 
 
 def test_make_corpus_cleaning():
-    path = resources.files("tachyon.data").joinpath("corpus", "make_corpus.py")
+    path = resources.files("tachyon.data").joinpath("assets", "make_corpus.py")
     spec = importlib.util.spec_from_file_location("_make_corpus", str(path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

