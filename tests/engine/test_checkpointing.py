@@ -374,6 +374,40 @@ def test_checkpoint_sequential_uses_number_checkpoints_and_checks_segments():
     assert torch.equal(a, model(x))
 
 
+def test_fp8_regions_with_cpu_checkpointing_equal_the_plain_run():
+    """An FP8 region (fp8_autocast around the forward) with its inputs stored in CPU memory: the
+    recompute re-enters the autocast with the forward's scales (tachyon.fp8.checkpoint; the full
+    comparison with TransformerLayers is tests/fp8/test_checkpoint.py), so every gradient and the
+    FP8 state equal the run without checkpointing."""
+    import tachyon.nn as tnn
+    from tachyon.fp8 import fp8_autocast
+
+    with pytest.warns(UserWarning, match="partition_activations has no effect"):
+        ckpt.configure(partition_activations=True, checkpoint_in_cpu=True)
+    torch.manual_seed(0)
+    blocks = [tnn.LayerNormMLP(32, 64) for _ in range(3)]
+    copies = [[tnn.LayerNormMLP(32, 64) for _ in range(3)] for _ in range(2)]
+    results = []
+    for mode, modules in zip(("plain", "sequential"), copies):
+        for module, block in zip(modules, blocks):
+            module.load_state_dict(block.state_dict())
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):  # the second step casts with the scales the first one set
+            x = torch.randn(16, 32, generator=gen).requires_grad_()
+            with fp8_autocast():
+                if mode == "sequential":  # the first two checkpointed, the last plain
+                    y = ckpt.checkpoint_sequential(modules, 3, x)
+                else:
+                    y = modules[2](modules[1](modules[0](x)))
+            y.backward(torch.randn(16, 32, generator=gen))
+        results.append([x.grad, *(p.grad for m in modules for p in m.parameters()),
+                        *(s for m in modules for g in m.fp8_scaling.values() for s in (g.input.scale, g.weight.scale,
+                                                                                       g.grad_output.scale))])
+    assert ckpt.get_profile()["offloaded_tensors"] == 4  # 2 steps x 2 checkpointed segments
+    for k, (got, want) in enumerate(zip(results[1], results[0])):
+        assert torch.equal(got, want), f"tensor {k} differs"
+
+
 def test_public_module_path():
     assert tachyon.checkpointing.checkpoint is ckpt.checkpoint
     assert tachyon.checkpointing.configure is ckpt.configure

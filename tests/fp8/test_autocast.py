@@ -11,7 +11,7 @@ import torch
 
 import tachyon
 import tachyon.nn as tnn
-from tachyon.fp8 import DelayedScaling, Format, cast_to_fp8, fp8_autocast, is_fp8_enabled
+from tachyon.fp8 import DelayedScaling, Format, cast_to_fp8, current_settings, fp8_autocast, is_fp8_enabled
 from tests.utils import assert_close
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -113,7 +113,7 @@ def test_nested_autocast_inner_settings_win_and_scales_update_at_the_outermost_e
     assert fp8_layer.fp8_scaling["gemm"].input.scale.item() == pytest.approx(448.0 / _amax(x) / 4, rel=1e-6)
 
 
-def test_calibrating_records_amaxes_with_high_precision_numerics():
+def test_calibrating_without_fp8_records_amaxes_with_high_precision_numerics():
     layer = tnn.LayerNormLinear(32, 16, return_layernorm_output=True)
     with torch.no_grad():
         layer.bias.normal_()
@@ -136,11 +136,51 @@ def test_calibrating_records_amaxes_with_high_precision_numerics():
     assert_close(y, want, name="first FP8 step after calibration")
 
 
-@pytest.mark.parametrize("calibrating", [False, True])
-def test_backward_inside_fp8_autocast_raises(calibrating):
+@pytest.mark.parametrize("enabled,calibrating", [(True, False), (False, True), (True, True)])
+def test_enabled_decides_the_numerics_and_calibrating_adds_recording(enabled, calibrating):
+    """Transformer Engine's rule for the four (enabled, calibrating) combinations (the fourth,
+    both False, is the next test): FP8 numerics exactly when enabled; amaxes recorded and scales
+    updated when enabled or calibrating."""
+    layer = tnn.Linear(32, 16)
+    with torch.no_grad():
+        layer.bias.normal_()
+    w, b = layer.weight.detach(), layer.bias.detach()
+    state = layer.fp8_scaling["gemm"]
+    x = 3 * torch.randn(16, 32)
+    with fp8_autocast(enabled=enabled, calibrating=calibrating):
+        settings = current_settings()
+        assert (settings.fp8, settings.records, is_fp8_enabled()) == (enabled, True, enabled)
+        y = layer(x)
+    if enabled:  # FP8 numerics: operands cast with the current scales (1 in the first step)
+        assert_close(y, _q(x, 1) @ _q(w, 1).t() + b, name="FP8 output")
+        assert not torch.allclose(y, torch.nn.functional.linear(x, w, b), rtol=1e-3)
+    else:
+        assert torch.equal(y, torch.nn.functional.linear(x, w, b))
+    assert state.input.amax_history[1].item() == pytest.approx(_amax(x), rel=1e-6)
+    assert state.weight.amax_history[1].item() == pytest.approx(_amax(w), rel=1e-6)
+    assert state.input.scale.item() == pytest.approx(448.0 / _amax(x), rel=1e-6)
+
+
+def test_neither_enabled_nor_calibrating_is_high_precision_without_recording():
+    layer = tnn.LayerNormMLP(32, 64)
+    x = torch.randn(16, 32, requires_grad=True)
+    with fp8_autocast(enabled=False, calibrating=False):
+        settings = current_settings()
+        assert (settings.fp8, settings.records, is_fp8_enabled()) == (False, False, False)
+        y = layer(x)
+    assert torch.equal(y, layer(x))
+    y.sum().backward()  # backward after the exit: fine, and records nothing either
+    for gemm in layer.fp8_scaling.values():
+        for role in ("input", "weight", "grad_output"):
+            state = getattr(gemm, role)
+            assert state.amax_history.abs().sum() == 0 and state.scale.item() == 1.0, role
+
+
+@pytest.mark.parametrize("enabled,calibrating", [(True, False), (False, True), (True, True)])
+def test_backward_inside_fp8_autocast_raises(enabled, calibrating):
     layer = tnn.Linear(32, 16)
     x = torch.randn(16, 32, requires_grad=True)
-    with fp8_autocast(calibrating=calibrating):
+    with fp8_autocast(enabled=enabled, calibrating=calibrating):
         y = layer(x)
         with pytest.raises(RuntimeError, match="call backward outside fp8_autocast"):
             y.sum().backward()
@@ -157,7 +197,7 @@ def test_dimensions_not_multiple_of_16_raise_in_fp8_only(make, x_shape, name):
     module = make()
     x = torch.randn(x_shape)
     module(x)  # fine outside FP8
-    with fp8_autocast(calibrating=True):
+    with fp8_autocast(enabled=False, calibrating=True):
         module(x)  # and in calibration (high precision)
     with pytest.raises(ValueError, match=f"{name} is not a multiple of 16; FP8 GEMMs need every dimension"):
         with fp8_autocast():

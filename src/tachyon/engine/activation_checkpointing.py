@@ -15,6 +15,13 @@ The CPU and CUDA RNG states are restored for the recomputation, so dropout insid
 the same mask twice and gradients equal the non-checkpointed run. Non-reentrant checkpointing works
 with inputs that do not require grad, with kwargs, nested regions and torch.autograd.grad.
 
+FP8: the checkpoint passes ``context_fn=tachyon.fp8.fp8_checkpoint_context_fn()``, so a region
+run under ``fp8_autocast`` is recomputed (during the backward, after the autocast exited and
+updated the scales) under the same autocast settings and with the scales its forward used,
+recording no amax twice and registering no second scale update: outputs, gradients, amax
+histories and scales equal the run without checkpointing (as Transformer Engine's checkpoint).
+A region outside any fp8_autocast is unaffected.
+
 The ``activation_checkpointing`` config section (DeepSpeed's keys) maps onto it as follows:
 
 - ``cpu_checkpointing`` (``checkpoint_in_cpu``): the inputs a region keeps for backward are stored
@@ -52,6 +59,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from tachyon.config import ActivationCheckpointingConfig, ConfigError, TachyonConfig, load_config
+from tachyon.fp8.checkpoint import fp8_checkpoint_context_fn
 
 __all__ = [
     "CheckpointingSettings", "checkpoint", "checkpoint_sequential", "configure", "get_profile",
@@ -272,6 +280,9 @@ def _unpack_from_cpu(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
+_FP8_CONTEXT_FN = fp8_checkpoint_context_fn()
+
+
 class _Region:
     """The checkpointed function: its first call is the forward, later calls are recomputations
     (timed when profiling; CUDA synchronized at the boundaries when asked)."""
@@ -310,8 +321,10 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``function(*args, **kwargs)``, keeping only its inputs for backward.
 
     Returns what ``function`` returns (same shapes and dtypes). Saved for backward: the tensor
-    inputs (in CPU memory with cpu_checkpointing) and the CPU/CUDA RNG states; the function runs
-    again in the backward with the same RNG state. Without grad enabled it simply runs the function.
+    inputs (in CPU memory with cpu_checkpointing), the CPU/CUDA RNG states and, for each FP8 GEMM
+    call inside, the 0-dim scales it used; the function runs again in the backward with the same
+    RNG state and the same fp8_autocast settings and scales (tachyon.fp8.checkpoint). Without grad
+    enabled it simply runs the function.
     """
     if not callable(function):
         raise ValueError(f"checkpoint: function must be callable; got {type(function).__name__}")
@@ -324,7 +337,9 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     )
     _synchronize_boundary()
     with storage:
-        out = torch_checkpoint.checkpoint(region, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        out = torch_checkpoint.checkpoint(
+            region, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_FP8_CONTEXT_FN, **kwargs
+        )
     _synchronize_boundary()
     return out
 

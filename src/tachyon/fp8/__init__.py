@@ -44,8 +44,35 @@ everywhere. An E5M2-only recipe is refused (forward values need E4M3's precision
 State. Each FP8 GEMM of a module (tachyon.fp8.GemmScaling) holds one ScalingState per operand
 role -- input, weight, grad_output -- with ``amax_history`` [amax_history_len], ``scale`` and
 ``scale_inv`` (fp32). It is part of the module's state_dict (``_extra_state``), so checkpoints
-resume with the same scales. ``fp8_autocast(calibrating=True)`` runs GEMMs in high precision but
-records the amaxes, so that a later FP8 run starts from well-chosen scales.
+resume with the same scales.
+
+Calibration (Transformer Engine's meaning). ``enabled`` decides the numerics, ``calibrating``
+only adds recording: ``fp8_autocast(enabled=False, calibrating=True)`` runs the GEMMs in high
+precision but records the amaxes and updates the scales, so that a model trained in bf16 can be
+saved with FP8 scales ready, or an FP8 run can start from well-chosen ones. ``enabled=True`` runs
+FP8 (and records) whatever ``calibrating`` says.
+
+Gradient accumulation (``is_first_microbatch``). The weights do not change between the
+micro-batches of one optimizer step, so their FP8 casts can be reused: every FP8 module's
+forward (Linear, LayerNormLinear, LayerNormMLP, MultiheadAttention, TransformerLayer) takes
+``is_first_microbatch``: None (default) casts the weight every call; True casts it, records its
+amax and caches the FP8 weight with the scale_inv it was cast with; False reuses the cache (no
+weight cast, no weight amax recorded; ValueError when nothing is cached). It has no effect
+outside an enabled fp8_autocast.
+
+    for i, micro_batch in enumerate(micro_batches):
+        with tachyon.fp8_autocast():
+            loss = model(micro_batch, is_first_microbatch=(i == 0)).float().mean()
+        loss.backward()
+    optimizer.step()
+
+Activation checkpointing. A checkpointed region is recomputed during the backward, after its
+fp8_autocast exited and updated the scales. ``tachyon.checkpointing.checkpoint`` (and
+``checkpoint_sequential``) recompute FP8 regions faithfully: the same autocast settings, the
+scales the forward used, no amax recorded twice, no second scale update (Transformer Engine's
+checkpoint does the same). With PyTorch's own checkpoint pass
+``context_fn=tachyon.fp8.fp8_checkpoint_context_fn()`` (with ``use_reentrant=False``); without
+it, an FP8 region is recomputed in high precision and torch refuses the recomputed tensors.
 
 Hardware. On CUDA devices of compute capability >= 8.9 (Ada, Hopper, Blackwell) the GEMM is
 ``torch._scaled_mm`` on FP8 tensor cores. Elsewhere (older GPUs, CPU) it is emulated with the same
@@ -55,15 +82,19 @@ be a multiple of 16 either way (``tachyon.capabilities()["fp8"]`` says which pat
 
 from __future__ import annotations
 
-from tachyon.fp8.autocast import AutocastSettings, autocast_active, current_settings, fp8_autocast, is_fp8_enabled
+from tachyon.fp8.autocast import (
+    AutocastSettings, autocast_active, current_settings, fp8_autocast, is_fp8_enabled, recomputing,
+)
+from tachyon.fp8.checkpoint import fp8_checkpoint_context_fn, fp8_checkpoint_contexts
 from tachyon.fp8.gemm import FP8_ALIGNMENT, cast_from_fp8, cast_to_fp8, check_fp8_dims, fp8_gemm, native_fp8_supported
 from tachyon.fp8.linear import FP8ModuleMixin, fp8_linear
 from tachyon.fp8.recipe import FP8_E4M3, FP8_E5M2, FP8_MAX, DelayedScaling, Format
-from tachyon.fp8.scaling import GemmScaling, ScalingState, reduce_amax, update_scales
+from tachyon.fp8.scaling import CachedWeight, GemmScaling, ScalingState, reduce_amax, update_scales
 
 __all__ = [
-    "FP8_ALIGNMENT", "FP8_E4M3", "FP8_E5M2", "FP8_MAX", "AutocastSettings", "DelayedScaling", "FP8ModuleMixin",
-    "Format", "GemmScaling", "ScalingState", "autocast_active", "cast_from_fp8", "cast_to_fp8", "check_fp8_dims",
-    "current_settings", "fp8_autocast", "fp8_gemm", "fp8_linear", "is_fp8_enabled", "native_fp8_supported",
-    "reduce_amax", "update_scales",
+    "FP8_ALIGNMENT", "FP8_E4M3", "FP8_E5M2", "FP8_MAX", "AutocastSettings", "CachedWeight", "DelayedScaling",
+    "FP8ModuleMixin", "Format", "GemmScaling", "ScalingState", "autocast_active", "cast_from_fp8", "cast_to_fp8",
+    "check_fp8_dims", "current_settings", "fp8_autocast", "fp8_checkpoint_context_fn", "fp8_checkpoint_contexts",
+    "fp8_gemm", "fp8_linear", "is_fp8_enabled", "native_fp8_supported", "recomputing", "reduce_amax",
+    "update_scales",
 ]

@@ -9,6 +9,19 @@ turned into new scales when the outermost context exits (reduced over ``fp8_grou
 one is given). The settings live in a process-wide stack rather than a thread-local, because
 autograd may run a backward on its own device threads and the backward must see whether an
 autocast is open (running backward inside one is an error).
+
+``enabled`` and ``calibrating`` are independent, as in Transformer Engine:
+
+    enabled  calibrating   GEMM numerics      amax statistics recorded (and scales updated)
+    False    False         high precision     no   (the same as no fp8_autocast)
+    False    True          high precision     yes  (calibration: scales for a later FP8 run)
+    True     False         FP8                yes
+    True     True          FP8                yes
+
+An activation-checkpointed region recomputed in the backward re-enters the autocast settings
+its forward ran under (:mod:`tachyon.fp8.checkpoint`); while it does, :func:`recomputing` is
+true, nothing is registered for a scale update and a nested fp8_autocast never counts as the
+outermost one.
 """
 
 from __future__ import annotations
@@ -32,18 +45,25 @@ class AutocastSettings:
 
     @property
     def fp8(self) -> bool:
-        """GEMMs run with FP8 numerics (enabled and not calibrating)."""
-        return self.enabled and not self.calibrating
+        """GEMMs run with FP8 numerics: ``enabled`` decides, whatever ``calibrating`` says."""
+        return self.enabled
 
     @property
     def records(self) -> bool:
-        """amax statistics are recorded (FP8 runs, and calibration runs)."""
+        """amax statistics are recorded: FP8 runs, and calibration runs in high precision."""
         return self.enabled or self.calibrating
 
 
 _stack: list[AutocastSettings] = []
 # GEMMs that ran a forward in the open outermost context: id -> (scaling, recipe, group)
 _pending: dict[int, tuple[GemmScaling, DelayedScaling, object]] = {}
+# > 0 while an activation-checkpointed region is being recomputed (tachyon.fp8.checkpoint)
+_recompute_depth = [0]
+
+
+def recomputing() -> bool:
+    """True while a checkpointed region's forward is recomputed in the backward."""
+    return _recompute_depth[0] > 0
 
 
 def current_settings() -> AutocastSettings | None:
@@ -63,7 +83,11 @@ def is_fp8_enabled() -> bool:
 
 
 def register_forward(scaling: GemmScaling, settings: AutocastSettings) -> None:
-    """Called by an FP8 GEMM's forward: update its input/weight scales when the context exits."""
+    """Called by an FP8 GEMM's forward: update its input/weight scales when the context exits.
+
+    A no-op in a recomputation: the original forward registered the GEMM already."""
+    if recomputing():
+        return
     _pending[id(scaling)] = (scaling, settings.recipe, settings.group)
 
 
@@ -84,11 +108,13 @@ def fp8_autocast(
 ) -> Iterator[None]:
     """Run the GEMMs of FP8-capable modules (Linear, LayerNormLinear, LayerNormMLP, ...) in FP8.
 
-    enabled: FP8 numerics on. calibrating: GEMMs run in high precision but the amaxes are
-    recorded (so a later FP8 run starts with good scales); it wins over ``enabled``.
-    fp8_recipe: a :class:`DelayedScaling` (default ``DelayedScaling()``). fp8_group: a
-    torch.distributed process group over which amaxes are all-reduced (MAX) at exit, when the
-    recipe's ``reduce_amax`` is true. Wrap only the forward; call backward after exiting.
+    enabled: the GEMMs run with FP8 numerics (and record amaxes). calibrating: record the amax
+    statistics and update the scales even when ``enabled`` is False, so that a model trained in
+    high precision can be saved with FP8 scales ready for an FP8 run (Transformer Engine's
+    meaning; with ``enabled=True`` it changes nothing). fp8_recipe: a :class:`DelayedScaling`
+    (default ``DelayedScaling()``). fp8_group: a torch.distributed process group over which
+    amaxes are all-reduced (MAX) at exit, when the recipe's ``reduce_amax`` is true. Wrap only
+    the forward; call backward after exiting.
     """
     if not isinstance(enabled, bool):
         raise ValueError(f"fp8_autocast: enabled must be a bool; got {enabled!r}")
@@ -97,7 +123,7 @@ def fp8_autocast(
     recipe = DelayedScaling() if fp8_recipe is None else fp8_recipe
     if not isinstance(recipe, DelayedScaling):
         raise ValueError(f"fp8_autocast: fp8_recipe must be a tachyon.fp8.DelayedScaling; got {type(fp8_recipe).__name__}")
-    outermost = not _stack
+    outermost = not _stack and not recomputing()
     _stack.append(AutocastSettings(enabled, calibrating, recipe, fp8_group))
     ok = False
     try:
@@ -112,4 +138,7 @@ def fp8_autocast(
                 _pending.clear()
 
 
-__all__ = ["AutocastSettings", "autocast_active", "current_settings", "fp8_autocast", "is_fp8_enabled", "register_forward"]
+__all__ = [
+    "AutocastSettings", "autocast_active", "current_settings", "fp8_autocast", "is_fp8_enabled", "recomputing",
+    "register_forward",
+]

@@ -16,8 +16,26 @@ runs in FP8 with the delayed scales of ``scaling`` (a :class:`GemmScaling`):
 Saved for backward: x8 and w8 (FP8, a quarter of fp32's memory) and the two scale_inv values
 used in the forward (copies, so a later scale update cannot change this step's gradients). The
 grad_output scale is updated at the end of this GEMM's backward; the input and weight scales
-when the outermost fp8_autocast exits. In calibration (``fp8_autocast(calibrating=True)``) the
-same three amaxes are recorded but every GEMM runs in high precision.
+when the outermost fp8_autocast exits. In calibration (``fp8_autocast(enabled=False,
+calibrating=True)``) the same three amaxes are recorded but every GEMM runs in high precision.
+
+FP8 weight caching (``is_first_microbatch``, Transformer Engine's argument). With gradient
+accumulation the weights do not change between the micro-batches of a step, so their FP8 cast
+need not be repeated:
+
+    None    no caching: the weight is cast (and its amax recorded) on every call
+    True    first micro-batch: cast and record as usual, and keep the FP8 weight and the
+            scale_inv it was cast with in ``scaling.weight_cache``
+    False   a later micro-batch: use the cached pair; no weight cast, no weight amax recorded
+            (ValueError when nothing fitting is cached)
+
+Only FP8 runs are affected: outside fp8_autocast and in calibration the argument is ignored.
+The weight's state still takes part in every scale update, as in Transformer Engine: over a step
+of n micro-batches its amax history gets one record (the first micro-batch's) and is rolled n
+times. The cached pair stays consistent whatever the scale updates do in between; the caller
+guarantees that the weights did not change since the True call (the optimizer steps after the
+last micro-batch). Inside an activation-checkpointed region the recomputation repeats exactly
+what the forward did (:mod:`tachyon.fp8.checkpoint`).
 """
 
 from __future__ import annotations
@@ -25,9 +43,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tachyon.fp8.autocast import AutocastSettings, autocast_active, current_settings, register_forward
+from tachyon.fp8.autocast import AutocastSettings, autocast_active, current_settings, recomputing, register_forward
+from tachyon.fp8.checkpoint import GemmCall, note_call, recording, replay_call
 from tachyon.fp8.gemm import cast_to_fp8, check_fp8_dims, fp8_gemm
-from tachyon.fp8.scaling import GemmScaling, update_scales
+from tachyon.fp8.scaling import CachedWeight, GemmScaling, update_scales
 
 _BACKWARD_INSIDE = (
     "backward was called inside fp8_autocast; call backward outside fp8_autocast (the context "
@@ -39,16 +58,16 @@ class _FP8Linear(torch.autograd.Function):
     """x [M, K] @ weight[N, K].T (+ bias [N]) with FP8 numerics or amax recording (calibration)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scaling: GemmScaling, settings: AutocastSettings):
+    def forward(ctx, x, weight, bias, scaling: GemmScaling, settings: AutocastSettings, is_first_microbatch):
         recipe = settings.recipe
         scaling.prepare(recipe.amax_history_len, x.device)
-        scaling.input.record(x)
-        scaling.weight.record(weight)
+        reuse = settings.fp8 and is_first_microbatch is False
+        if not recomputing():  # a recomputation records nothing: the forward did
+            scaling.input.record(x)
+            if not reuse:
+                scaling.weight.record(weight)
         if settings.fp8:
-            fwd = recipe.fp8_format.forward_dtype
-            x8 = cast_to_fp8(x, scaling.input.scale, fwd)
-            w8 = cast_to_fp8(weight, scaling.weight.scale, fwd)
-            sx, sw = scaling.input.scale_inv.clone(), scaling.weight.scale_inv.clone()
+            x8, w8, sx, sw = _cast_operands(x, weight, scaling, recipe.fp8_format.forward_dtype, is_first_microbatch)
             out = fp8_gemm(x8, sx, w8, sw, x.dtype)
             ctx.save_for_backward(x8, w8, sx, sw)
         else:
@@ -91,16 +110,52 @@ class _FP8Linear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = grad_out.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         update_scales([(state, recipe, settings.group)])
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scaling: GemmScaling) -> torch.Tensor:
+def _cast_operands(x, weight, scaling: GemmScaling, fp8_dtype: torch.dtype, is_first_microbatch: bool | None):
+    """(x8, w8, x scale_inv, w scale_inv) for the FP8 GEMM: the live scales, or in a checkpointed
+    region's recomputation the ones its forward used; the weight from the cache when asked."""
+    replay = replay_call(scaling)
+    if replay is None:
+        x_scale, sx = scaling.input.scale, scaling.input.scale_inv.clone()
+    else:
+        x_scale, sx = replay.input_scale, replay.input_scale_inv
+    x8 = cast_to_fp8(x, x_scale, fp8_dtype)
+    w_scale = cached = None
+    if replay is not None and replay.cached_weight is not None:
+        cached, sw = replay.cached_weight, replay.weight_scale_inv
+        w8 = cached
+    elif is_first_microbatch is False:
+        cache = scaling.cached_weight(weight, fp8_dtype)
+        cached, sw = cache.data, cache.scale_inv
+        w8 = cached
+    else:
+        if replay is None:
+            w_scale, sw = scaling.weight.scale, scaling.weight.scale_inv.clone()
+        else:
+            w_scale, sw = replay.weight_scale, replay.weight_scale_inv
+        w8 = cast_to_fp8(weight, w_scale, fp8_dtype)
+        if is_first_microbatch and replay is None:
+            scaling.weight_cache = CachedWeight(w8, sw)
+    if recording():
+        note_call(scaling, GemmCall(x_scale.clone(), sx, None if w_scale is None else w_scale.clone(), sw, cached))
+    return x8, w8, sx, sw
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scaling: GemmScaling, *,
+    is_first_microbatch: bool | None = None,
+) -> torch.Tensor:
     """y = x @ weight.T + bias, in FP8 inside an enabled fp8_autocast (see the module docstring).
 
     x: [..., K]; weight: [N, K]; bias: [N] or None; all of one float dtype. Returns [..., N] in
     x's dtype. Inside fp8_autocast with FP8 on, K, N and the token count prod(x.shape[:-1]) must
-    be multiples of 16 (ValueError otherwise).
+    be multiples of 16 (ValueError otherwise). is_first_microbatch: None, True or False, the FP8
+    weight cache (module docstring).
     """
+    if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+        raise ValueError(f"is_first_microbatch must be None, True or False; got {is_first_microbatch!r}")
     settings = current_settings()
     if settings is None or not settings.records:
         return F.linear(x, weight, bias)
@@ -111,7 +166,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     x2 = x.reshape(-1, k)
     if settings.fp8:
         check_fp8_dims("fp8_linear", in_features=k, out_features=weight.shape[0], tokens=x2.shape[0])
-    out = _FP8Linear.apply(x2, weight, bias, scaling, settings)
+        if is_first_microbatch is False and not recomputing():  # fail before anything is recorded
+            scaling.cached_weight(weight, settings.recipe.fp8_format.forward_dtype)
+    out = _FP8Linear.apply(x2, weight, bias, scaling, settings, is_first_microbatch)
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -140,6 +197,7 @@ class FP8ModuleMixin:
             raise ValueError(f"{type(self).__name__}: FP8 state names unknown GEMMs {unknown}; this module has {sorted(self.fp8_scaling)}")
         for name, gemm_state in state["gemms"].items():
             self.fp8_scaling[name].load_state_dict(gemm_state)
+            self.fp8_scaling[name].weight_cache = None  # cast from the weights before the load
 
 
 __all__ = ["FP8ModuleMixin", "fp8_linear"]

@@ -108,13 +108,46 @@ class ScalingState:
         self.scale_inv = torch.as_tensor(state["scale_inv"], dtype=torch.float32).reshape(()).clone().to(device)
 
 
+class CachedWeight:
+    """A GEMM's FP8 weight kept across the micro-batches of one step (``is_first_microbatch``).
+
+    data: [out_features, in_features] in the forward FP8 dtype; scale_inv: fp32 0-dim, the
+    1 / scale ``data`` was cast with (so a later scale update cannot desynchronize the pair).
+    """
+
+    __slots__ = ("data", "scale_inv")
+
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        self.data, self.scale_inv = data, scale_inv
+
+
 class GemmScaling:
-    """The three :class:`ScalingState` of one GEMM: ``input``, ``weight``, ``grad_output``."""
+    """The three :class:`ScalingState` of one GEMM: ``input``, ``weight``, ``grad_output``, and
+    ``weight_cache``: the FP8 weight cached by ``is_first_microbatch=True`` (None until then;
+    never part of the state_dict)."""
 
     def __init__(self, amax_history_len: int = 16, device: torch.device | str | None = None) -> None:
         self.input = ScalingState(amax_history_len, device=device)
         self.weight = ScalingState(amax_history_len, device=device)
         self.grad_output = ScalingState(amax_history_len, backward=True, device=device)
+        self.weight_cache: CachedWeight | None = None
+
+    def cached_weight(self, weight: torch.Tensor, fp8_dtype: torch.dtype) -> CachedWeight:
+        """The cached FP8 weight for ``weight`` [N, K]; ValueError when there is none that fits."""
+        cache = self.weight_cache
+        if cache is None:
+            raise ValueError(
+                "is_first_microbatch=False, but this GEMM has no cached FP8 weight yet: pass "
+                "is_first_microbatch=True on the first micro-batch of each step (inside an enabled "
+                "fp8_autocast) to cast and cache the weight, then False on the following ones"
+            )
+        if cache.data.shape != weight.shape or cache.data.dtype != fp8_dtype or cache.data.device != weight.device:
+            raise ValueError(
+                f"is_first_microbatch=False: the cached FP8 weight ({cache.data.dtype}, {tuple(cache.data.shape)}, "
+                f"{cache.data.device}) does not fit this call's weight ({fp8_dtype}, {tuple(weight.shape)}, "
+                f"{weight.device}); pass is_first_microbatch=True to cast and cache it again"
+            )
+        return cache
 
     def __repr__(self) -> str:
         return f"GemmScaling(input={self.input!r}, weight={self.weight!r}, grad_output={self.grad_output!r})"
@@ -171,4 +204,4 @@ def update_scales(items: Iterable[tuple[ScalingState, DelayedScaling, object]]) 
         state.update(recipe)
 
 
-__all__ = ["ROLES", "GemmScaling", "ScalingState", "reduce_amax", "update_scales"]
+__all__ = ["ROLES", "CachedWeight", "GemmScaling", "ScalingState", "reduce_amax", "update_scales"]

@@ -227,13 +227,15 @@ class MultiheadAttention(nn.Module):
     ``encoder_output`` through ``key_value`` (Linear, [2 g d, hidden], [K | V]); no RoPE.
 
     forward(hidden_states, attention_mask=None, encoder_output=None, attn_mask_type=None,
-    rotary_pos_emb=None): hidden_states [s, b, hidden] (sbhd) or [b, s, hidden] (bshd),
-    encoder_output [s_kv, b, hidden] / [b, s_kv, hidden] (cross only) -> out of hidden_states'
-    shape in the params dtype (or torch.autocast's); returns out, (out, bias) with return_bias,
-    and the norm output last with return_layernorm_output (TE's order). rotary_pos_emb: see
-    tachyon.nn.rope. Cross-attention padding masks are (query mask, key mask) tuples. Saved for
-    backward: what LayerNormLinear, the RoPE kernel (cos/sin only), the attention kernel and
-    Linear save.
+    rotary_pos_emb=None, is_first_microbatch=None): hidden_states [s, b, hidden] (sbhd) or
+    [b, s, hidden] (bshd), encoder_output [s_kv, b, hidden] / [b, s_kv, hidden] (cross only) ->
+    out of hidden_states' shape in the params dtype (or torch.autocast's); returns out,
+    (out, bias) with return_bias, and the norm output last with return_layernorm_output (TE's
+    order). rotary_pos_emb: see tachyon.nn.rope. Cross-attention padding masks are (query mask, key mask) tuples.
+    is_first_microbatch: passed to every projection GEMM (QKV / query, key_value, proj): the FP8
+    weight cache across gradient-accumulation micro-batches, as in :class:`tachyon.nn.Linear`.
+    Saved for backward: what LayerNormLinear, the RoPE kernel (cos/sin only), the attention
+    kernel and Linear save.
     """
 
     def __init__(
@@ -330,6 +332,7 @@ class MultiheadAttention(nn.Module):
     def forward(
         self, hidden_states: Tensor, attention_mask: Tensor | tuple[Tensor, Tensor] | None = None,
         encoder_output: Tensor | None = None, attn_mask_type: str | None = None, rotary_pos_emb: object = None,
+        is_first_microbatch: bool | None = None,
     ):
         self._check_input("hidden_states", hidden_states)
         cross = self.attention_type == "cross"
@@ -340,20 +343,20 @@ class MultiheadAttention(nn.Module):
         elif encoder_output is not None:
             raise ValueError("MultiheadAttention: encoder_output is only used with attention_type='cross'")
         ln_out = None
-        proj_in = getattr(self, self._input_proj)(hidden_states)
+        proj_in = getattr(self, self._input_proj)(hidden_states, is_first_microbatch)
         if self.return_layernorm_output:
             proj_in, ln_out = proj_in
         h, g = self.num_attention_heads, self.num_gqa_groups
         if cross:
             q = proj_in.view(*proj_in.shape[:-1], h, self.kv_channels)
-            kv = self.key_value(encoder_output)
+            kv = self.key_value(encoder_output, is_first_microbatch)
             k, v = kv.view(*kv.shape[:-1], 2 * g, self.kv_channels).split([g, g], dim=-2)
         else:
             q, k, v = proj_in.view(*proj_in.shape[:-1], h + 2 * g, self.kv_channels).split([h, g, g], dim=-2)
         if rotary_pos_emb is not None:
             q, k = self._rope(q, k, rotary_pos_emb)
         context = self.core_attention(q, k, v, attention_mask, attn_mask_type)
-        out = self.proj(context)
+        out = self.proj(context, is_first_microbatch)
         result = out if isinstance(out, tuple) else (out,)
         if ln_out is not None:
             result = (*result, ln_out)

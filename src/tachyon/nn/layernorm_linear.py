@@ -64,10 +64,13 @@ class LayerNormLinear(FP8ModuleMixin, nn.Module):
     device: of the parameters. zero_centered_gamma: store gamma - 1. return_bias: return the bias
     instead of adding it. backend: pins the norm kernel's backend ("triton" / "torch").
 
-    forward(x): x [..., in_features] -> out [..., out_features] in the params dtype (or
-    torch.autocast's); returns out, (out, bias), (out, ln_out) or (out, bias, ln_out) (TE's
-    order). Saved for backward: the norm's input and fp32 row statistics, and the GEMM's input
-    (ln_out, or its FP8 copy inside fp8_autocast) and weight.
+    forward(x, is_first_microbatch=None): x [..., in_features] -> out [..., out_features] in the
+    params dtype (or torch.autocast's); returns out, (out, bias), (out, ln_out) or
+    (out, bias, ln_out) (TE's order). is_first_microbatch: the FP8 weight cache across
+    gradient-accumulation micro-batches, as in :class:`tachyon.nn.Linear` (None: no caching;
+    True: cast and cache; False: reuse the cache). Saved for backward: the norm's input and fp32
+    row statistics, and the GEMM's input (ln_out, or its FP8 copy inside fp8_autocast) and
+    weight (or the cached FP8 weight).
     """
 
     def __init__(
@@ -104,12 +107,13 @@ class LayerNormLinear(FP8ModuleMixin, nn.Module):
             self.register_parameter("bias", None)
         self._init_fp8_scaling("gemm")
 
-    def forward(self, x: Tensor):
+    def forward(self, x: Tensor, is_first_microbatch: bool | None = None):
         check_input("LayerNormLinear", x, self.in_features)
         dtype = compute_dtype(self.weight, x)
         ln_out = apply_norm(self, x.to(dtype), dtype)
         bias = self.bias.to(dtype) if self.bias is not None else None
-        out = fp8_linear(ln_out, self.weight.to(dtype), None if self.return_bias else bias, self.fp8_scaling["gemm"])
+        out = fp8_linear(ln_out, self.weight.to(dtype), None if self.return_bias else bias, self.fp8_scaling["gemm"],
+                         is_first_microbatch=is_first_microbatch)
         result = (out, bias) if self.return_bias else (out,)
         if self.return_layernorm_output:
             result = (*result, ln_out)

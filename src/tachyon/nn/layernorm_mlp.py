@@ -64,8 +64,10 @@ class LayerNormMLP(FP8ModuleMixin, nn.Module):
     biases start at zero). params_dtype, device: of the parameters. return_bias: return fc2_bias
     instead of adding it. backend: pins the norm and activation kernels' backend.
 
-    forward(x): x [..., hidden] -> y [..., hidden] in the params dtype (or torch.autocast's);
-    returns y, (y, fc2_bias), (y, ln_out) or (y, fc2_bias, ln_out). Saved for backward: the norm's
+    forward(x, is_first_microbatch=None): x [..., hidden] -> y [..., hidden] in the params dtype
+    (or torch.autocast's); returns y, (y, fc2_bias), (y, ln_out) or (y, fc2_bias, ln_out).
+    is_first_microbatch: the FP8 weight cache of fc1 and fc2 across gradient-accumulation
+    micro-batches, as in :class:`tachyon.nn.Linear`. Saved for backward: the norm's
     input and statistics, ln_out (or its FP8 copy), fc1's output (the activation's input: its
     output is recomputed in backward, never saved by the kernel) and the activation's output as
     fc2's input (or its FP8 copy).
@@ -114,15 +116,17 @@ class LayerNormMLP(FP8ModuleMixin, nn.Module):
             self.register_parameter("fc2_bias", None)
         self._init_fp8_scaling("fc1", "fc2")
 
-    def forward(self, x: Tensor):
+    def forward(self, x: Tensor, is_first_microbatch: bool | None = None):
         check_input("LayerNormMLP", x, self.hidden_size)
         dtype = compute_dtype(self.fc1_weight, x)
         ln_out = apply_norm(self, x.to(dtype), dtype)
-        h = fp8_linear(ln_out, self.fc1_weight.to(dtype), None, self.fp8_scaling["fc1"])
+        h = fp8_linear(ln_out, self.fc1_weight.to(dtype), None, self.fp8_scaling["fc1"],
+                       is_first_microbatch=is_first_microbatch)
         fc1_bias = self.fc1_bias.to(dtype) if self.fc1_bias is not None else None
         a = te_activation(h, fc1_bias, self.activation, self.backend)
         fc2_bias = self.fc2_bias.to(dtype) if self.fc2_bias is not None else None
-        y = fp8_linear(a, self.fc2_weight.to(dtype), None if self.return_bias else fc2_bias, self.fp8_scaling["fc2"])
+        y = fp8_linear(a, self.fc2_weight.to(dtype), None if self.return_bias else fc2_bias, self.fp8_scaling["fc2"],
+                       is_first_microbatch=is_first_microbatch)
         result = (y, fc2_bias) if self.return_bias else (y,)
         if self.return_layernorm_output:
             result = (*result, ln_out)

@@ -69,9 +69,12 @@ class Linear(FP8ModuleMixin, nn.Module):
     return_bias: forward returns (y without bias, bias) so the caller can fuse the add (bias is
     None when ``bias=False``).
 
-    forward(x): x [..., in_features] (cast to the params dtype, or torch.autocast's dtype) ->
-    y [..., out_features] in that dtype. Saved for backward: x and weight (outside FP8), or
-    their FP8 copies and scale_inv values (inside fp8_autocast).
+    forward(x, is_first_microbatch=None): x [..., in_features] (cast to the params dtype, or
+    torch.autocast's dtype) -> y [..., out_features] in that dtype. is_first_microbatch (TE's
+    FP8 weight cache for gradient accumulation; no effect outside an enabled fp8_autocast): None
+    casts the weight to FP8 on every call; True casts it and caches the FP8 weight on the module;
+    False reuses that cache (no weight cast, no weight amax recorded). Saved for backward: x and
+    weight (outside FP8), or their FP8 copies and scale_inv values (inside fp8_autocast).
     """
 
     def __init__(
@@ -96,12 +99,13 @@ class Linear(FP8ModuleMixin, nn.Module):
             self.register_parameter("bias", None)
         self._init_fp8_scaling("gemm")
 
-    def forward(self, x: Tensor):
+    def forward(self, x: Tensor, is_first_microbatch: bool | None = None):
         check_input("Linear", x, self.in_features)
         dtype = compute_dtype(self.weight, x)
         weight = self.weight.to(dtype)
         bias = self.bias.to(dtype) if self.bias is not None else None
-        y = fp8_linear(x.to(dtype), weight, None if self.return_bias else bias, self.fp8_scaling["gemm"])
+        y = fp8_linear(x.to(dtype), weight, None if self.return_bias else bias, self.fp8_scaling["gemm"],
+                       is_first_microbatch=is_first_microbatch)
         return (y, bias) if self.return_bias else y
 
     def extra_repr(self) -> str:

@@ -85,13 +85,16 @@ class TransformerLayer(nn.Module):
     (LayerNorm / RMSNorm, only with output_layernorm).
 
     forward(hidden_states, attention_mask=None, self_attn_mask_type=None, rotary_pos_emb=None,
-    encoder_output=None, enc_dec_attn_mask=None):
+    encoder_output=None, enc_dec_attn_mask=None, is_first_microbatch=None):
     hidden_states [s, b, hidden] / [b, s, hidden] -> same shape, in the params dtype (or
     torch.autocast's; the input is cast to it). attention_mask: TE's bool mask, True = masked out,
     [b, 1, 1, s], for the padding mask types only. rotary_pos_emb: TE's angles [s, 1, 1, r], a
     (query, key) pair of them, or (cos, sin) [s, r] (tachyon.nn.rope). Decoder only:
     encoder_output [s_kv, b, hidden] / [b, s_kv, hidden] (required); enc_dec_attn_mask: None (no
     mask) or TE's padding masks (query mask [b, 1, 1, s], key mask [b, 1, 1, s_kv]) as a tuple.
+    is_first_microbatch: passed to every GEMM of the layer (TE's FP8 weight cache across
+    gradient-accumulation micro-batches, see :class:`tachyon.nn.Linear`: None no caching, True
+    cast and cache, False reuse the cache; no effect outside an enabled fp8_autocast).
     Saved for backward: what the submodules' kernels save; the hidden dropouts save nothing
     (masks regenerated).
     """
@@ -194,7 +197,7 @@ class TransformerLayer(nn.Module):
     def forward(
         self, hidden_states: Tensor, attention_mask: Tensor | None = None, self_attn_mask_type: str | None = None,
         rotary_pos_emb: object = None, encoder_output: Tensor | None = None,
-        enc_dec_attn_mask: Tensor | tuple[Tensor, Tensor] | None = None,
+        enc_dec_attn_mask: Tensor | tuple[Tensor, Tensor] | None = None, is_first_microbatch: bool | None = None,
     ) -> Tensor:
         if not isinstance(hidden_states, Tensor) or hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             got = tuple(hidden_states.shape) if isinstance(hidden_states, Tensor) else type(hidden_states).__name__
@@ -204,7 +207,8 @@ class TransformerLayer(nn.Module):
             raise ValueError("TransformerLayer: encoder_output / enc_dec_attn_mask need layer_type='decoder'")
         weight = self.layernorm_mlp.fc1_weight
         x = hidden_states.to(compute_dtype(weight, hidden_states))
-        attn = self.self_attention(x, attention_mask, attn_mask_type=self_attn_mask_type, rotary_pos_emb=rotary_pos_emb)
+        attn = self.self_attention(x, attention_mask, attn_mask_type=self_attn_mask_type, rotary_pos_emb=rotary_pos_emb,
+                                   is_first_microbatch=is_first_microbatch)
         if self.apply_residual_connection_post_layernorm and not self.output_layernorm:
             attn_out, attn_bias, residual = attn
         else:
@@ -216,13 +220,14 @@ class TransformerLayer(nn.Module):
             inter = self.inter_attention(
                 h, enc_dec_attn_mask, encoder_output.to(x.dtype),
                 attn_mask_type="padding" if enc_dec_attn_mask is not None else "no_mask",
+                is_first_microbatch=is_first_microbatch,
             )
             if self.apply_residual_connection_post_layernorm:
                 inter_out, inter_bias, residual = inter
             else:
                 (inter_out, inter_bias), residual = inter, h
             h = self._bda(inter_out, inter_bias, residual)
-        mlp = self.layernorm_mlp(h)
+        mlp = self.layernorm_mlp(h, is_first_microbatch)
         if self.apply_residual_connection_post_layernorm:
             mlp_out, mlp_bias, residual = mlp
         else:
