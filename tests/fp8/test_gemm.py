@@ -107,3 +107,56 @@ def test_native_scaled_mm_matches_the_emulation(a_dtype, out_dtype):
     dgrad = fp8_gemm(g8, ONE.cuda(), b8.t(), 1 / sb, out_dtype, native=True)
     assert_close(dgrad, fp8_gemm(g8, ONE.cuda(), b8.t(), 1 / sb, out_dtype, native=False),
                  atol=1e-4 if out_dtype == torch.float32 else None, name="dgrad layout")
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cast_records_amax_and_writes_the_transpose_on_either_backend(fp8_dtype, backend):
+    """tachyon.fp8.cast_to_fp8 runs the fused Triton op where the backend is Triton (here under the
+    interpreter) and PyTorch's cast elsewhere: the same bits, the same amax, the same transpose."""
+    import tachyon
+
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(48, 33, generator=gen) * 50).to(torch.bfloat16)
+    scale = torch.tensor(3.0)
+    m = 448.0 if fp8_dtype == E4M3 else 57344.0
+    want = (x.float() * scale).clamp(-m, m).to(fp8_dtype)
+    history = torch.tensor([2.0, 1e9])
+    with tachyon.use_backend(backend):
+        x8, x8_t = cast_to_fp8(x, scale, fp8_dtype, history[0], transpose=True)
+        plain = cast_to_fp8(x, scale, fp8_dtype)
+    assert torch.equal(x8.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(plain.view(torch.uint8), want.view(torch.uint8))
+    assert x8_t.is_contiguous() and torch.equal(x8_t.view(torch.uint8), want.t().contiguous().view(torch.uint8))
+    assert history.tolist() == [x.float().abs().max().item(), 1e9]  # only the newest slot, in place
+
+
+def test_transposed_saved_operands_give_the_same_step_as_the_plain_ones(monkeypatch):
+    """Where torch._scaled_mm runs, the FP8 linear saves x8.T / w8.T (written by the casts) for the
+    backward GEMMs instead of x8 / w8. Forced on here (emulated GEMMs): outputs, gradients and the
+    recorded amaxes equal the untransposed path's, with a cached weight too."""
+    import tachyon
+    import tachyon.nn
+    from tachyon.fp8 import linear as fp8_linear_module
+
+    def run(transposed: bool):
+        monkeypatch.setattr(fp8_linear_module, "transposed_operands", lambda device: transposed)
+        torch.manual_seed(0)
+        layer = tachyon.nn.Linear(32, 48, params_dtype=torch.float32)
+        outs, grads = [], []
+        for step in range(3):
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step), requires_grad=True)
+            with tachyon.fp8_autocast(enabled=True):
+                y = layer(x, is_first_microbatch=None if step == 0 else step == 1)
+            (y.float() * torch.linspace(-1, 1, 48)).sum().backward()
+            outs.append(y.detach())
+            grads.append(x.grad)
+        return outs, grads, layer.weight.grad, layer.bias.grad, layer.get_extra_state()
+
+    plain, transposed = run(False), run(True)
+    for a, b in zip(plain[0] + plain[1] + [plain[2], plain[3]], transposed[0] + transposed[1] + [transposed[2], transposed[3]]):
+        assert_close(b, a, atol=1e-6, rtol=1e-6)
+    for gemm, roles in plain[4]["gemms"].items():
+        for role, state in roles.items():
+            for key, value in state.items():
+                assert torch.equal(transposed[4]["gemms"][gemm][role][key], value), (gemm, role, key)

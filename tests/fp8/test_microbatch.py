@@ -88,10 +88,10 @@ def test_cached_fp8_weights_give_the_uncached_step_and_cast_each_weight_once(nam
     casts = []
     original = fp8_linear_module.cast_to_fp8
 
-    def counting_cast(x, scale, dtype):
+    def counting_cast(x, scale, dtype, amax=None, **kwargs):
         if fp8_linear_module.autocast_active():  # forward casts only (backward runs outside)
             casts.append(tuple(x.shape))
-        return original(x, scale, dtype)
+        return original(x, scale, dtype, amax, **kwargs)
 
     monkeypatch.setattr(fp8_linear_module, "cast_to_fp8", counting_cast)
     got_out, got_dx = _step(cached, xs, gs, call, is_first_microbatch=lambda i: i == 0)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from tachyon.backend import resolve
 from tachyon.fp8.recipe import FP8_MAX
+from tachyon.kernels.fp8_cast import cast_to_fp8 as fused_cast_to_fp8
 
 FP8_DTYPES = tuple(FP8_MAX)
 FP8_ALIGNMENT = 16
@@ -38,16 +40,34 @@ def check_fp8_dims(op: str, **dims: int) -> None:
             )
 
 
-def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+def cast_to_fp8(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, amax: torch.Tensor | None = None, *,
+    transpose: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x * scale, clamped to +-fp8_max (saturating, never inf), cast to ``fp8_dtype``.
 
-    x: any float dtype and shape; scale: fp32 0-dim tensor. Returns ``fp8_dtype``, x's shape.
-    NaN stays NaN.
+    x: any float dtype and shape ([M, N] when ``transpose``); scale: fp32 0-dim tensor. Returns
+    ``fp8_dtype``, x's shape, contiguous; or (x8, x8.T contiguous) when ``transpose``. NaN stays
+    NaN. amax: None, or an fp32 0-dim tensor updated in place to max(amax, max |x|) (how a
+    ScalingState records; pass ``state.amax_history[0]``).
+
+    Where the backend is Triton (CUDA tensors under the "auto" backend) this is one fused kernel
+    (tachyon.kernels.fp8_cast: one read of x for the cast, the amax and the transposed copy);
+    elsewhere PyTorch's own conversion, which gives the same bits.
     """
     if fp8_dtype not in FP8_MAX:
         raise ValueError(f"cast_to_fp8: fp8_dtype={fp8_dtype} is not an FP8 dtype; allowed: {FP8_DTYPES}")
+    if x.dim() and resolve(x) == "triton":
+        return fused_cast_to_fp8(x, scale, fp8_dtype, amax, transpose=transpose, backend="triton")
+    if amax is not None and x.numel():
+        amax.copy_(torch.maximum(amax, x.detach().abs().amax().to(torch.float32)))  # NaN propagates
     fp8_max = FP8_MAX[fp8_dtype]
-    return (x.to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    x8 = (x.detach().to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    if transpose:
+        if x8.dim() != 2:
+            raise ValueError(f"cast_to_fp8: transpose=True needs a 2-D x; got shape {tuple(x.shape)}")
+        return x8, x8.t().clone(memory_format=torch.contiguous_format)
+    return x8
 
 
 def cast_from_fp8(x8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

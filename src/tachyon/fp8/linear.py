@@ -13,8 +13,12 @@ runs in FP8 with the delayed scales of ``scaling`` (a :class:`GemmScaling`):
               wgrad  dw = (g8.T @ x8) / (s_g s_x)
               dbias  = grad_out.sum(0) in high precision
 
-Saved for backward: x8 and w8 (FP8, a quarter of fp32's memory) and the two scale_inv values
-used in the forward (copies, so a later scale update cannot change this step's gradients). The
+Each cast records its operand's amax in the same pass (tachyon.fp8.cast_to_fp8: one fused
+Triton kernel on GPUs). Saved for backward: x8 and w8 (FP8, a quarter of fp32's memory) and the
+two scale_inv values used in the forward (copies, so a later scale update cannot change this
+step's gradients). Where torch._scaled_mm runs, the casts also write x8.T and w8.T contiguous
+(the layouts the dgrad/wgrad GEMMs take) and those are saved instead, so the backward makes no
+transposing copies; the gradient's cast writes g8.T in the same pass when wgrad is needed. The
 grad_output scale is updated at the end of this GEMM's backward; the input and weight scales
 when the outermost fp8_autocast exits. In calibration (``fp8_autocast(enabled=False,
 calibrating=True)``) the same three amaxes are recorded but every GEMM runs in high precision.
@@ -45,7 +49,7 @@ import torch.nn.functional as F
 
 from tachyon.fp8.autocast import AutocastSettings, autocast_active, current_settings, recomputing, register_forward
 from tachyon.fp8.checkpoint import GemmCall, note_call, recording, replay_call
-from tachyon.fp8.gemm import cast_to_fp8, check_fp8_dims, fp8_gemm
+from tachyon.fp8.gemm import cast_to_fp8, check_fp8_dims, fp8_gemm, native_fp8_supported
 from tachyon.fp8.scaling import CachedWeight, GemmScaling, update_scales
 
 _BACKWARD_INSIDE = (
@@ -61,16 +65,22 @@ class _FP8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, scaling: GemmScaling, settings: AutocastSettings, is_first_microbatch):
         recipe = settings.recipe
         scaling.prepare(recipe.amax_history_len, x.device)
-        reuse = settings.fp8 and is_first_microbatch is False
-        if not recomputing():  # a recomputation records nothing: the forward did
-            scaling.input.record(x)
-            if not reuse:
-                scaling.weight.record(weight)
+        record = not recomputing()  # a recomputation records nothing: the forward did
+        ctx.transposed = False
         if settings.fp8:
-            x8, w8, sx, sw = _cast_operands(x, weight, scaling, recipe.fp8_format.forward_dtype, is_first_microbatch)
+            # the casts record the amaxes in the same pass (a reused cached weight records none)
+            ctx.transposed = transposed_operands(x.device)
+            x8, w8, sx, sw, x8_t, w8_t = _cast_operands(
+                x, weight, scaling, recipe.fp8_format.forward_dtype, is_first_microbatch, record, ctx.transposed)
             out = fp8_gemm(x8, sx, w8, sw, x.dtype)
-            ctx.save_for_backward(x8, w8, sx, sw)
+            if ctx.transposed:  # the backward GEMMs take these without a transposing copy
+                ctx.save_for_backward(x8_t, w8_t, sx, sw)
+            else:
+                ctx.save_for_backward(x8, w8, sx, sw)
         else:
+            if record:
+                scaling.input.record(x)
+                scaling.weight.record(weight)
             out = x @ weight.t()
             ctx.save_for_backward(x, weight)
         if bias is not None:
@@ -90,17 +100,21 @@ class _FP8Linear(torch.autograd.Function):
         recipe = settings.recipe
         grad_out = grad_out.contiguous()
         state.prepare(recipe.amax_history_len, grad_out.device)
-        state.record(grad_out)
         dx = dw = None
         if settings.fp8:
-            x8, w8, sx, sw = ctx.saved_tensors
-            g8 = cast_to_fp8(grad_out, state.scale, recipe.fp8_format.backward_dtype)
+            x8, w8, sx, sw = ctx.saved_tensors  # x8_t [K, M], w8_t [K, N] when ctx.transposed
+            want_t = ctx.transposed and ctx.needs_input_grad[1]
+            cast = cast_to_fp8(grad_out, state.scale, recipe.fp8_format.backward_dtype, state.amax_history[0],
+                               transpose=want_t)
+            g8, g8_t = cast if want_t else (cast, None)
             sg = state.scale_inv.clone()
-            if ctx.needs_input_grad[0]:
-                dx = fp8_gemm(g8, sg, w8.t(), sw, ctx.x_dtype)
-            if ctx.needs_input_grad[1]:
-                dw = fp8_gemm(g8.t(), sg, x8.t(), sx, ctx.w_dtype)
+            if ctx.needs_input_grad[0]:  # dx [M, K] = g8 [M, N] @ w8 [N, K]
+                dx = fp8_gemm(g8, sg, w8 if ctx.transposed else w8.t(), sw, ctx.x_dtype)
+            if ctx.needs_input_grad[1]:  # dw [N, K] = g8.T [N, M] @ x8 [M, K]
+                dw = (fp8_gemm(g8_t, sg, x8, sx, ctx.w_dtype) if ctx.transposed
+                      else fp8_gemm(g8.t(), sg, x8.t(), sx, ctx.w_dtype))
         else:
+            state.record(grad_out)
             x, weight = ctx.saved_tensors
             if ctx.needs_input_grad[0]:
                 dx = grad_out @ weight
@@ -113,16 +127,31 @@ class _FP8Linear(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def _cast_operands(x, weight, scaling: GemmScaling, fp8_dtype: torch.dtype, is_first_microbatch: bool | None):
-    """(x8, w8, x scale_inv, w scale_inv) for the FP8 GEMM: the live scales, or in a checkpointed
-    region's recomputation the ones its forward used; the weight from the cache when asked."""
+def transposed_operands(device: torch.device) -> bool:
+    """Whether the FP8 casts also write the transposed copies the backward GEMMs take (where
+    torch._scaled_mm runs: it wants a row-major first and a column-major second operand, so the
+    emulation, which takes any layout, skips them)."""
+    return native_fp8_supported(device)
+
+
+def _cast(x, scale, fp8_dtype, amax, transpose: bool):
+    out = cast_to_fp8(x, scale, fp8_dtype, amax, transpose=transpose)
+    return out if transpose else (out, None)
+
+
+def _cast_operands(x, weight, scaling: GemmScaling, fp8_dtype: torch.dtype, is_first_microbatch: bool | None,
+                   record: bool, transpose: bool):
+    """(x8, w8, x scale_inv, w scale_inv, x8_t, w8_t) for the FP8 GEMM: the live scales, or in a
+    checkpointed region's recomputation the ones its forward used; the weight from the cache when
+    asked. Each cast records its operand's amax when ``record`` (not for a cached weight). The
+    transposed copies are None unless ``transpose``."""
     replay = replay_call(scaling)
     if replay is None:
         x_scale, sx = scaling.input.scale, scaling.input.scale_inv.clone()
     else:
         x_scale, sx = replay.input_scale, replay.input_scale_inv
-    x8 = cast_to_fp8(x, x_scale, fp8_dtype)
-    w_scale = cached = None
+    x8, x8_t = _cast(x, x_scale, fp8_dtype, scaling.input.amax_history[0] if record else None, transpose)
+    w_scale = cached = w8_t = None
     if replay is not None and replay.cached_weight is not None:
         cached, sw = replay.cached_weight, replay.weight_scale_inv
         w8 = cached
@@ -135,12 +164,14 @@ def _cast_operands(x, weight, scaling: GemmScaling, fp8_dtype: torch.dtype, is_f
             w_scale, sw = scaling.weight.scale, scaling.weight.scale_inv.clone()
         else:
             w_scale, sw = replay.weight_scale, replay.weight_scale_inv
-        w8 = cast_to_fp8(weight, w_scale, fp8_dtype)
+        w8, w8_t = _cast(weight, w_scale, fp8_dtype, scaling.weight.amax_history[0] if record else None, transpose)
         if is_first_microbatch and replay is None:
             scaling.weight_cache = CachedWeight(w8, sw)
+    if transpose and w8_t is None:
+        w8_t = w8.t().contiguous()
     if recording():
         note_call(scaling, GemmCall(x_scale.clone(), sx, None if w_scale is None else w_scale.clone(), sw, cached))
-    return x8, w8, sx, sw
+    return x8, w8, sx, sw, x8_t, w8_t
 
 
 def fp8_linear(
