@@ -8,6 +8,9 @@ Reports ms (median, p20, p80), TFLOP/s and that as a fraction of the measured de
 the same dtype (benchmarks.common.measure_matmul_peak), and peak memory. FLOPs: 4 * b * h * sq * sk
 * d for the forward (two matmuls), the backward counted as 2.5x the forward, so fwd+bwd = 3.5x
 (flash-attn's convention); halved for causal. "eager" materializes the scores (softmax in fp32).
+"tachyon-atomic-dq" is tachyon with ``deterministic=False`` (the dK/dV kernel also accumulates dQ
+with fp32 atomics; the probabilities are recomputed once in backward instead of twice): its
+forward is tachyon's, so it is timed for fwd+bwd only.
 Needs a CUDA GPU. Usage: python benchmarks/bench_attention.py [--quick]
 """
 
@@ -30,6 +33,9 @@ SHAPES = [
 ]
 
 
+BACKWARD_ONLY_VARIANTS = {"tachyon-atomic-dq"}  # same forward as "tachyon"
+
+
 def _variants():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -42,6 +48,8 @@ def _variants():
 
     return {
         "tachyon": lambda q, k, v, causal: attention(q, k, v, causal=causal, backend="triton"),
+        "tachyon-atomic-dq": lambda q, k, v, causal: attention(q, k, v, causal=causal, backend="triton",
+                                                               deterministic=False),
         "sdpa-flash": sdpa_flash,
         "eager": lambda q, k, v, causal: attention_lowp_reference(q, k, v, causal=causal),
     }
@@ -75,6 +83,8 @@ def main() -> None:
                     fn(q, k, v, causal).backward(dout)
 
                 for mode, run, flops in (("fwd", fwd, fwd_flops), ("fwd+bwd", fwd_bwd, 3.5 * fwd_flops)):
+                    if mode == "fwd" and variant in BACKWARD_ONLY_VARIANTS:
+                        continue
                     row = {"shape": name, "b,h,kv,s,d": f"{b},{h},{kvh},{s},{d}", "causal": causal,
                            "dtype": str(dtype).removeprefix("torch."), "variant": variant, "mode": mode}
                     try:

@@ -1,8 +1,10 @@
 """The fused BERT layer (TransformerKernelLayer) vs HF BertLayer: speed, memory, largest micro-batch.
 
 GPU (default): one BERT-Large layer (hidden 1024, 16 heads, ffn 4096) at seq 128 batch 64 and
-seq 512 batch 16, fp16 and bf16, forward and forward+backward: tachyon post-LN and pre-LN vs HF
-BertLayer in eager PyTorch (SDPA attention) vs torch.compile(HF BertLayer). Reports median ms
+seq 512 batch 16, fp16 and bf16, forward and forward+backward: tachyon post-LN and pre-LN (and
+pre-LN with ``stochastic_mode=True``: the attention backward accumulates dQ with atomics; its
+forward is the same, so it is timed for forward+backward only) vs HF BertLayer in eager PyTorch
+(SDPA attention) vs torch.compile(HF BertLayer) vs torch.compile(tachyon pre-LN). Reports median ms
 (p20, p80), TFLOP/s, the fraction of the measured matmul rate, and peak memory. Then the largest
 micro-batch of a 24-layer BERT-Large stack (fp16, forward+backward) for every memory-flag
 setting and for HF, by binary search with OOM catching (the seed tutorial's table).
@@ -124,10 +126,14 @@ def speed_rows(quick: bool) -> list[dict]:
             variants = {
                 "tachyon post-LN": TransformerKernelLayer(kernel_config(batch, seq, dtype, False)).to(DEVICE),
                 "tachyon pre-LN": TransformerKernelLayer(kernel_config(batch, seq, dtype, True)).to(DEVICE),
+                "tachyon pre-LN stochastic_mode": TransformerKernelLayer(
+                    kernel_config(batch, seq, dtype, True, stochastic_mode=True)).to(DEVICE),
                 "HF BertLayer (sdpa)": hf,
             }
             if COMPILE:
                 variants["torch.compile(HF)"] = torch.compile(hf)
+                variants["torch.compile(tachyon pre-LN)"] = torch.compile(
+                    TransformerKernelLayer(kernel_config(batch, seq, dtype, True)).to(DEVICE))
             x = torch.randn(batch, seq, HIDDEN, device=DEVICE, dtype=dtype, requires_grad=True)
             mask = torch.ones(batch, seq, device=DEVICE, dtype=torch.long)
             mask[batch // 2:, seq * 3 // 4:] = 0  # half the batch padded by a quarter
@@ -146,6 +152,8 @@ def speed_rows(quick: bool) -> list[dict]:
                     out.backward(dy)
 
                 for mode, fn, flops in (("fwd", fwd, layer_flops(batch, seq)), ("fwd+bwd", fwd_bwd, 3 * layer_flops(batch, seq))):
+                    if mode == "fwd" and "stochastic_mode" in name:
+                        continue  # the forward is the deterministic layer's
                     t = bench(fn)
                     rate = t.rate(flops)
                     rows.append({

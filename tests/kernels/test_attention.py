@@ -167,6 +167,111 @@ def test_dropout_is_reproducible_and_depends_on_the_seed(backend):
     assert not torch.equal(first[0], other), "seeds 5 and 6 gave the same output"
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_tensor_seed_is_bit_identical_to_the_int_seed(backend):
+    """A 0-dim int64 tensor seed (loaded by the kernels, saved for backward) and the int with the
+    same value give the same masks: identical out, dq, dk, dv."""
+    case = Case(batch=1, heads=2, kv_heads=1, seq_q=37, seq_k=45, causal=True, padded=True, dropout_p=0.25)
+    q, k, v, bias, dout = _inputs(case, torch.float32)
+    seed = 2**62 + 5
+    by_int = _run(lambda a, b, c: attention(a, b, c, backend=backend, **_kwargs(case, bias, seed)), q, k, v, dout)
+    by_tensor = _run(lambda a, b, c: attention(a, b, c, backend=backend, **_kwargs(case, bias, torch.tensor(seed))),
+                     q, k, v, dout)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], by_int, by_tensor):
+        assert torch.equal(a, b), f"{backend}: {name} differs between int and tensor seed"
+
+
+# The atomic-dQ backward (deterministic=False): causal, padding, GQA/MQA, dropout, odd lengths.
+ATOMIC_CASES = [
+    Case(seq_q=37, seq_k=51, causal=True, padded=True),
+    Case(heads=4, kv_heads=2, seq_q=45, seq_k=45, dropout_p=0.2),  # GQA: two heads add into one program's dK
+    Case(batch=1, heads=4, kv_heads=1, seq_q=51, seq_k=37, causal=True, padded=True, dropout_p=0.1),  # MQA, empty rows
+    Case(batch=1, heads=2, kv_heads=2, seq_q=19, seq_k=70, head_dim=40),  # several key blocks add into one dQ row
+]
+
+
+@pytest.mark.parametrize("case", ATOMIC_CASES, ids=str)
+def test_triton_atomic_dq_backward_matches_oracle(case):
+    """deterministic=False: dq, dk, dv against the fp32 oracle by the table; dk and dv (and out)
+    are exactly the deterministic kernels' (only dq's summation changes)."""
+    q, k, v, bias, dout = _inputs(case, torch.float32)
+    kw = _kwargs(case, bias)
+    got = _run(lambda a, b, c: attention(a, b, c, backend="triton", deterministic=False, **kw), q, k, v, dout)
+    oracle = _run(lambda a, b, c: attention_reference(a, b, c, **kw), q, k, v, dout)
+    for name, g, o in zip(["out", "dq", "dk", "dv"], got, oracle):
+        assert g.dtype == o.dtype and g.shape == o.shape, f"{name}: {g.dtype} {g.shape}"
+        assert_close(g, o, name=f"{case} atomic {name}")
+    det = _run(lambda a, b, c: attention(a, b, c, backend="triton", deterministic=True, **kw), q, k, v, dout)
+    for name, g, d in zip(["out", "dq", "dk", "dv"], got, det):
+        if name != "dq":
+            assert torch.equal(g, d), f"{name} must not depend on deterministic"
+
+
+def test_triton_atomic_dq_backward_with_very_negative_scores():
+    """Every score near -200: exp(score - lse) is fine for real keys but overflows for the padding
+    columns past seq_k of the last key block (score 0 there); the atomic dQ must mask them out
+    (unmasked, inf * 0 turns dQ into NaN)."""
+    gen = torch.Generator().manual_seed(0)
+    # small dyadic values: the scores (about -290 to -250) are exact in fp32, so the comparison
+    # is not limited by the rounding of huge scores
+    rows = torch.arange(21).view(1, 1, 21, 1) % 3
+    cols = torch.arange(45).view(1, 1, 45, 1) % 4
+    q = (3.0 + rows / 4).expand(1, 2, 21, 32).contiguous().requires_grad_()
+    k = (-3.0 + cols / 8).expand(1, 1, 45, 32).contiguous().requires_grad_()
+    v = torch.randn(1, 1, 45, 32, generator=gen).requires_grad_()
+    dout = torch.randn(1, 2, 21, 32, generator=gen)
+    got = _run(lambda a, b, c: attention(a, b, c, softmax_scale=1.0, backend="triton", deterministic=False),
+               q, k, v, dout)
+    want = _run(lambda a, b, c: attention_reference(a, b, c, softmax_scale=1.0), q, k, v, dout)
+    det = _run(lambda a, b, c: attention(a, b, c, softmax_scale=1.0, backend="triton"), q, k, v, dout)
+    # out and dq against the oracle; dK (a sum of |score| ~ 250 terms, P carrying lse's fp32
+    # rounding at that magnitude) is ill-conditioned here for any kernel: held to the
+    # deterministic kernels' result instead, bit for bit
+    for name, g, w, d in zip(["out", "dq", "dk", "dv"], got, want, det):
+        assert torch.isfinite(g).all(), f"very negative scores: {name} is not finite"
+        if name in ("out", "dq"):
+            assert_close(g, w, name=f"very negative scores: {name}")
+        else:
+            assert torch.equal(g, d), f"very negative scores: {name} differs from the deterministic backward"
+
+
+def test_triton_atomic_dq_backward_fp16_and_torch_backend_ignores_the_flag():
+    case = Case(batch=1, heads=4, kv_heads=2, seq_q=37, seq_k=37, causal=True, padded=True, dropout_p=0.1)
+    q, k, v, bias, dout = _inputs(case, torch.float16)
+    kw = _kwargs(case, bias)
+    got = _run(lambda a, b, c: attention(a, b, c, backend="triton", deterministic=False, **kw), q, k, v, dout)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    oracle = _run(lambda a, b, c: attention_reference(a, b, c, **kw), *leaves, dout)
+    lowp = _run(lambda a, b, c: reference.attention_lowp_reference(a, b, c, **kw), q, k, v, dout)
+    for name, g, lo, o in zip(["out", "dq", "dk", "dv"], got, lowp, oracle):
+        assert g.dtype == torch.float16, f"{name}: {g.dtype}"
+        assert_close_to_reference(g, lo, o, name=f"fp16 atomic {name}")
+    by_torch = [_run(lambda a, b, c: attention(a, b, c, backend="torch", deterministic=det, **kw), q, k, v, dout)
+                for det in (True, False)]
+    for name, a, b in zip(["out", "dq", "dk", "dv"], *by_torch):
+        assert torch.equal(a, b), f"torch backend: {name} depends on deterministic"
+
+
+def test_torch_compile_takes_a_new_tensor_seed_without_recompiling():
+    """A tensor seed is a graph input (an int seed is a constant, or a SymInt after a recompile):
+    new seed values reuse the compiled graph and equal eager with that seed."""
+    case = Case(batch=1, heads=2, kv_heads=1, seq_q=21, seq_k=21, dropout_p=0.2)
+    q, k, v, _, dout = _inputs(case, torch.float32)
+
+    def f(q, k, v, seed):
+        return attention(q, k, v, causal=True, dropout_p=0.2, seed=seed, backend="torch")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    _run(lambda a, b, c: compiled(a, b, c, torch.tensor(1)), q, k, v, dout)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in (2, 2**63 - 1):
+            got = _run(lambda a, b, c: compiled(a, b, c, torch.tensor(seed)), q, k, v, dout)
+            want = _run(lambda a, b, c: f(a, b, c, seed), q, k, v, dout)
+            for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
+                assert torch.equal(g, w), f"seed {seed}: compiled {name} != eager"
+
+
 @pytest.mark.parametrize("masked_value", [float("-inf"), torch.finfo(torch.float32).min, torch.finfo(torch.float16).min],
                          ids=["-inf", "fp32-min", "fp16-min"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -337,8 +442,15 @@ def test_bad_inputs_name_the_argument_and_what_is_allowed():
         attention(q, k, k, key_padding_bias=torch.ones(2, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"dropout_p must be a float in \[0, 1\); got 1.0"):
         attention(q, k, k, dropout_p=1.0, seed=0)
-    with pytest.raises(ValueError, match=r"dropout_p=0.1 needs seed, an int in \[0, 2\*\*63\); got None"):
+    with pytest.raises(ValueError, match=r"attention: seed must be an int in \[0, 2\*\*63\) or a 0-dim torch.int64 tensor "
+                                         r"on cpu \(dropout_p=0.1 needs one\); got None"):
         attention(q, k, k, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"attention: seed must be .*got a tensor of dtype torch.float32, shape \(\)"):
+        attention(q, k, k, dropout_p=0.1, seed=torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"attention: seed must be .*got a tensor of dtype torch.int64, shape \(1,\)"):
+        attention(q, k, k, dropout_p=0.1, seed=torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"attention: deterministic must be True or False; got 0"):
+        attention(q, k, k, deterministic=0)
     with pytest.raises(ValueError, match=r"softmax_scale must be a finite float"):
         attention(q, k, k, softmax_scale=float("nan"))
     with pytest.raises(ValueError, match=r"empty dims"):
@@ -381,18 +493,36 @@ def test_triton_backward_is_deterministic_on_gpu():
         assert torch.equal(a, b), f"{name} differs between two identical runs"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_triton_atomic_dq_backward_matches_oracle_on_gpu(case, dtype):
+    """deterministic=False on the GPU (real atomics, unordered): the same 2x-of-PyTorch bounds."""
+    q, k, v, bias, dout = _inputs(case, dtype, "cuda")
+    kw = _kwargs(case, bias)
+    got = _run(lambda a, b, c: attention(a, b, c, deterministic=False, **kw), q, k, v, dout)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    oracle = _run(lambda a, b, c: attention_reference(a, b, c, **kw), *leaves, dout.double())
+    lowp = _run(lambda a, b, c: reference.attention_lowp_reference(a, b, c, **kw), q, k, v, dout)
+    for name, g, lo, o in zip(["out", "dq", "dk", "dv"], got, lowp, oracle):
+        assert_close_to_reference(g, lo, o, name=f"{case} atomic {name}")
+
+
 _AOT_SCRIPT = """
 import triton
 from tests.utils.aot import compile_sm90
 from tachyon.kernels.attention import triton as tri
 
-flags = dict(HEAD_DIM=80, IS_CAUSAL=True, HAS_BIAS=True, HAS_DROPOUT=True, BLOCK_D=128, DOT_PRECISION=None)
-fp32 = {"LSE", "DELTA", "BIAS"}
-for kernel in (tri._fwd_kernel, tri._bwd_dkdv_kernel, tri._bwd_dq_kernel, tri._bwd_delta_kernel):
+flags = dict(HEAD_DIM=80, IS_CAUSAL=True, HAS_BIAS=True, HAS_DROPOUT=True, BLOCK_D=128, DOT_PRECISION=None,
+             SEED_FROM_PTR=True)
+fp32 = {"LSE", "DELTA", "BIAS", "DQ_ACC"}
+# the dK/dV kernel twice: deterministic, and with dQ accumulated by fp32 atomics
+for kernel, atomic in ((tri._fwd_kernel, False), (tri._bwd_dkdv_kernel, False), (tri._bwd_dkdv_kernel, True),
+                       (tri._bwd_dq_kernel, False), (tri._bwd_delta_kernel, False)):
     cfg = kernel.configs[0] if hasattr(kernel, "configs") else triton.Config({"BLOCK_M": 64})
     jit = kernel.fn if hasattr(kernel, "configs") else kernel
-    consts = {k: v for k, v in {**flags, **cfg.kwargs}.items() if k in jit.arg_names}
-    types = {n: ("*fp32" if n in fp32 else "*bf16") if n.isupper()
+    consts = {k: v for k, v in {**flags, **cfg.kwargs, "ATOMIC_DQ": atomic}.items() if k in jit.arg_names}
+    types = {n: "*i64" if n == "SEED_PTR" else ("*fp32" if n in fp32 else "*bf16") if n.isupper()
              else "fp32" if n in ("sm_scale", "dropout_p", "inv_keep") else "i64" if n == "seed" else "i32"
              for n in jit.arg_names if n not in consts}
     compile_sm90(jit, types, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages,  # as the JIT specializes
@@ -403,7 +533,8 @@ for kernel in (tri._fwd_kernel, tri._bwd_dkdv_kernel, tri._bwd_dq_kernel, tri._b
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter never runs Triton's compiler: build the GPU path (TTIR -> PTX -> cubin with
-    the bundled ptxas) for an H100 target, bf16, every feature on, the first autotune config."""
+    the bundled ptxas) for an H100 target, bf16, every feature on (a tensor seed; the dK/dV kernel
+    with and without atomic dQ), the first autotune config."""
     from tests.utils.aot import compile_in_subprocess
 
-    compile_in_subprocess(_AOT_SCRIPT, expected=4, timeout=600)
+    compile_in_subprocess(_AOT_SCRIPT, expected=5, timeout=600)

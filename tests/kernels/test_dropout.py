@@ -245,12 +245,65 @@ def test_torch_compile_traces_the_ops():
         assert_close(a, e, name=name)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_tensor_seed_is_bit_identical_to_the_int_seed(backend):
+    """The same seed value as an int or as a 0-dim int64 tensor: the same masks, outputs and
+    gradients, bit for bit, both ops (the tensor seed is loaded by the kernels, saved for backward)."""
+    seed = 2**62 + 977
+    leaves = _leaves((7, 45), torch.float32, "cpu", with_norm=True)
+    results = []
+    for s in (seed, torch.tensor(seed)):
+        x, b, r, w, lb = leaves
+        h = bias_dropout_add(x, b, r, 0.3, s, backend=backend)
+        y, z = bias_dropout_add_layer_norm(h, b, r, w, lb, 1e-5, 0.2, s, backend=backend)
+        y2, _ = bias_dropout_add_layer_norm(x, b, None, w, lb, 1e-5, 0.4, s, invertible=True, rms=True, backend=backend)
+        outs = [h, y, z, y2]
+        grads = torch.autograd.grad(sum((o * o).sum() for o in outs), leaves)
+        results.append(outs + list(grads))
+    for name, a, e in zip(["h", "y", "z", "y2", "dx", "db", "dr", "dw", "dlnb"], *results):
+        assert torch.equal(a, e), f"{backend}: {name} differs between int and tensor seed"
+    keep = dropout_keep_mask(seed, (7, 45), 0.3)
+    x, b, r = leaves[:3]
+    assert_close(results[0][0], torch.where(keep, (x + b) / 0.7, 0.0) + r, name="out with the documented mask")
+
+
+def test_compiled_ops_take_a_new_tensor_seed_without_recompiling():
+    """A tensor seed is a graph input: new seed values reuse the compiled graph (an int seed
+    would be a constant in it) and give the eager result with that seed."""
+    x = torch.randn(6, 40, requires_grad=True)
+    b, w = torch.randn(40, requires_grad=True), (torch.rand(40) + 0.5).requires_grad_()
+
+    def f(x, b, w, seed):
+        h = bias_dropout_add(x, b, None, 0.3, seed, backend="torch")
+        y, _ = bias_dropout_add_layer_norm(h, b, x, w, None, 1e-5, 0.2, seed, backend="torch")
+        return y
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    compiled(x, b, w, torch.tensor(1))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in (2, 2**40 + 1, 2**63 - 1):
+            got = compiled(x, b, w, torch.tensor(seed))
+            want = f(x, b, w, seed)
+            assert torch.equal(got, want), f"seed {seed}: compiled != eager"
+            for name, g, e in zip(["dx", "db", "dw"], torch.autograd.grad(got.sum(), [x, b, w]),
+                                  torch.autograd.grad(want.sum(), [x, b, w])):
+                assert torch.equal(g, e), f"seed {seed}: {name} compiled != eager"
+
+
 def test_bad_inputs_name_the_argument_and_what_is_allowed():
     x, w = torch.randn(3, 16), torch.ones(16)
     with pytest.raises(ValueError, match=r"bias_dropout_add: p is the dropout probability and must be a number in \[0, 1\]; got 1.5"):
         bias_dropout_add(x, None, None, 1.5, SEED)
-    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63\) when dropout is active .*got None"):
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63\) or a 0-dim torch.int64 tensor on cpu "
+                                         r"when dropout is active .*got None"):
         bias_dropout_add(x, None, None, 0.1, None)
+    with pytest.raises(ValueError, match=r"bias_dropout_add: seed must be .* 0-dim torch.int64 tensor on cpu .*got a "
+                                         r"tensor of dtype torch.int32, shape \(\) on cpu"):
+        bias_dropout_add(x, None, None, 0.1, torch.tensor(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"bias_dropout_add_layer_norm: seed must be .*got a tensor of dtype "
+                                         r"torch.int64, shape \(2,\) on cpu"):
+        bias_dropout_add_layer_norm(x, None, None, w, None, 1e-5, 0.1, torch.tensor([1, 2]))
     with pytest.raises(ValueError, match=r"seed must be an int .*got -1"):
         bias_dropout_add_layer_norm(x, None, None, w, None, 1e-5, 0.1, -1)
     with pytest.raises(ValueError, match=r"bias_dropout_add: bias has shape \(8,\); expected \(16,\)"):
@@ -281,29 +334,31 @@ scalars = {"seed": "i64", "p": "fp32", "scale": "fp32", "eps": "fp32"}
 
 def compile_(kernel, consts, num_warps):
     names = kernel.arg_names
-    types = {n: ("*fp32" if n in fp32 else "*bf16") for n in names if n.isupper() and n not in ("M", "N")}
+    types = {n: "*i64" if n == "SEED_PTR" else ("*fp32" if n in fp32 else "*bf16")
+             for n in names if n.isupper() and n not in ("M", "N")}
     types.update({n: t for n, t in scalars.items() if n in names})
     types = {n: t for n, t in types.items() if n not in consts}
     compile_sm90(kernel, types, consts, num_warps=num_warps, aligned_ints=[n for n in names if n.startswith("stride")] + ["N"])
 
 
-# bias_dropout_add at N = 4096: 4 x 1024 tiles, 8 warps (the launcher's _tiles)
-compile_(tri._bda_fwd_kernel, dict(HAS_BIAS=True, HAS_RES=True, DROPOUT=True, BLOCK_M=4, BLOCK_N=1024), 8)
-compile_(tri._bda_bwd_kernel, dict(HAS_BIAS=True, DROPOUT=True, BLOCK_M=4, BLOCK_N=1024), 8)
+# bias_dropout_add at N = 4096: 4 x 1024 tiles, 8 warps (the launcher's _tiles); int and tensor seeds
+compile_(tri._bda_fwd_kernel, dict(HAS_BIAS=True, HAS_RES=True, DROPOUT=True, SEED_FROM_PTR=False, BLOCK_M=4,
+                                   BLOCK_N=1024), 8)
+compile_(tri._bda_bwd_kernel, dict(HAS_BIAS=True, DROPOUT=True, SEED_FROM_PTR=True, BLOCK_M=4, BLOCK_N=1024), 8)
 # the fused LayerNorm/RMSNorm forms: one row per program, BLOCK_N = N, num_warps = BLOCK_N // 256
 flags = dict(HAS_BIAS=True, HAS_RES=True, HAS_LNB=True, DROPOUT=True)
-compile_(tri._bda_norm_fwd_kernel, dict(flags, IS_RMS=False, BLOCK_N=4096), 16)
-compile_(tri._bda_norm_fwd_kernel, dict(flags, IS_RMS=True, BLOCK_N=2048), 8)
+compile_(tri._bda_norm_fwd_kernel, dict(flags, IS_RMS=False, SEED_FROM_PTR=True, BLOCK_N=4096), 16)
+compile_(tri._bda_norm_fwd_kernel, dict(flags, IS_RMS=True, SEED_FROM_PTR=False, BLOCK_N=2048), 8)
 flags = dict(HAS_LNB=True, HAS_DZ_OUT=True, STORE_DRES=True, HAS_BIAS=True, DROPOUT=True)
-compile_(tri._bda_norm_bwd_kernel, dict(flags, IS_RMS=False, FROM_OUTPUT=False, BLOCK_N=4096), 16)
-compile_(tri._bda_norm_bwd_kernel, dict(flags, IS_RMS=True, FROM_OUTPUT=True, BLOCK_N=2048), 8)
+compile_(tri._bda_norm_bwd_kernel, dict(flags, IS_RMS=False, FROM_OUTPUT=False, SEED_FROM_PTR=True, BLOCK_N=4096), 16)
+compile_(tri._bda_norm_bwd_kernel, dict(flags, IS_RMS=True, FROM_OUTPUT=True, SEED_FROM_PTR=False, BLOCK_N=2048), 8)
 """
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter never runs Triton's compiler: build all four kernels (TTIR -> PTX -> cubin
     with the bundled ptxas) for compute capability 9.0 in bf16, every flag on, both norms, a
-    64-bit seed."""
+    64-bit int seed and a seed loaded from a tensor."""
     from tests.utils.aot import compile_in_subprocess
 
     compile_in_subprocess(_AOT_SCRIPT, expected=6)

@@ -18,12 +18,47 @@ def test_reference_is_bit_identical_to_triton(seed, offset):
     assert torch.equal(got, want), f"{int((got != want).sum())} of 3000 values differ"
 
 
+@pytest.mark.parametrize("seed", [0, 2**31 + 5, 2**63 - 1])
+def test_tensor_seed_gives_the_same_numbers_as_the_int(seed):
+    """A 0-dim int64 tensor seed (loaded by the kernel, never read on the host) is the int seed."""
+    from tachyon.kernels.random import triton as tri
+
+    offsets = torch.arange(77, 77 + 1500)
+    want = rand(seed, offsets)
+    assert torch.equal(rand(torch.tensor(seed), offsets), want), "reference: tensor seed != int seed"
+    got = tri.rand(torch.tensor(seed), 1500, offset=77)
+    assert torch.equal(got, want), f"triton tensor seed: {int((got != want).sum())} of 1500 values differ"
+    assert torch.equal(dropout_keep_mask(torch.tensor(seed), (30, 50), 0.3, offset=77),
+                       dropout_keep_mask(seed, (30, 50), 0.3, offset=77))
+
+
+def test_check_seed_names_the_argument_and_the_allowed_forms():
+    from tachyon.kernels.random import check_seed
+
+    assert check_seed("op", 5, torch.device("cpu")) == 5
+    t = torch.tensor(5)
+    assert check_seed("op", t, torch.device("cpu")) is t
+    bad = [(-1, "got -1"), (2**63, "got 9223372036854775808"), (True, "got True"), (1.5, "got 1.5"),
+           (torch.tensor(5, dtype=torch.int32), "dtype torch.int32"), (torch.tensor([5]), r"shape \(1,\)"),
+           (torch.tensor(5.0), "dtype torch.float32")]
+    for seed, why in bad:
+        with pytest.raises(ValueError, match=r"op: seed must be an int in \[0, 2\*\*63\) or a 0-dim torch.int64 "
+                                             r"tensor on cpu.*" + why):
+            check_seed("op", seed, torch.device("cpu"))
+    with pytest.raises(ValueError, match="tensor on meta; got a tensor of dtype torch.int64, shape \\(\\) on cpu"):
+        check_seed("op", t, torch.device("meta"))
+
+
 @pytest.mark.gpu
 def test_reference_is_bit_identical_to_triton_on_gpu():
     from tachyon.kernels.random import triton as tri
 
     got = tri.rand(42, 1 << 20, device="cuda").cpu()
     assert torch.equal(got, rand(42, torch.arange(1 << 20)))
+    seed = torch.tensor(2**62 + 3, device="cuda")
+    got = tri.rand(seed, 1 << 20, device="cuda")
+    assert torch.equal(got, rand(seed, torch.arange(1 << 20, device="cuda"))), "tensor seed on the GPU"
+    assert torch.equal(got.cpu(), rand(2**62 + 3, torch.arange(1 << 20)))
 
 
 def test_uniform_statistics_and_determinism():
@@ -44,19 +79,23 @@ _AOT_SCRIPT = """
 from tests.utils.aot import compile_sm90
 from tachyon.kernels.random import triton as tri
 
-# a seed and offset under 2**31 arrive as i32, larger ones as i64: tl.rand takes both paths
+# a seed and offset under 2**31 arrive as i32, larger ones as i64: tl.rand takes both paths;
+# a tensor seed is loaded from an int64 pointer
 for int_type in ("i32", "i64"):
-    compile_sm90(tri._rand_kernel, {"OUT": "*fp32", "seed": int_type, "offset0": int_type}, dict(BLOCK=1024),
-                 num_warps=4)
+    compile_sm90(tri._rand_kernel, {"OUT": "*fp32", "seed": int_type, "SEED_PTR": "*i64", "offset0": int_type},
+                 dict(SEED_FROM_PTR=False, BLOCK=1024), num_warps=4)
+compile_sm90(tri._rand_kernel, {"OUT": "*fp32", "SEED_PTR": "*i64", "offset0": "i64"},
+             dict(SEED_FROM_PTR=True, BLOCK=1024), num_warps=4)
 """
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter never runs Triton's compiler: build the Philox kernel (TTIR -> PTX -> cubin
-    with the bundled ptxas) for compute capability 9.0 with 32- and 64-bit seeds and offsets."""
+    with the bundled ptxas) for compute capability 9.0 with 32- and 64-bit seeds and offsets, and
+    with the seed loaded from a tensor."""
     from tests.utils.aot import compile_in_subprocess
 
-    compile_in_subprocess(_AOT_SCRIPT, expected=2)
+    compile_in_subprocess(_AOT_SCRIPT, expected=3)
 
 
 _AOT_BROKEN_SCRIPT = """

@@ -287,15 +287,47 @@ def test_seed_minus_one_draws_from_torch_generator():
     assert s1 == s2 != s3 and s1 >= 0
 
 
-def test_stochastic_mode_changes_nothing_on_cpu(monkeypatch):
-    x = torch.randn(2, 9, 32)
-    outs = []
+def test_stochastic_mode_changes_nothing_on_the_torch_backend(monkeypatch):
+    x = torch.randn(2, 9, 32, requires_grad=True)
+    results = []
     for stochastic in (False, True):
         monkeypatch.setattr(TransformerKernelLayer, "layer_id", 0)
         layer = randomize(TransformerKernelLayer(
             make_config(stochastic_mode=stochastic, attn_dropout_ratio=0.1, hidden_dropout_ratio=0.1), backend="torch"))
-        outs.append(layer(x))
-    assert torch.equal(*outs)
+        out = layer(x)
+        results.append((out, *torch.autograd.grad(out.sum(), [x, layer.attn_qkvw])))
+    for name, a, b in zip(["out", "dx", "d attn_qkvw"], *results):
+        assert torch.equal(a, b), f"{name} depends on stochastic_mode on the torch backend"
+
+
+@pytest.mark.parametrize("pre_ln", [True, False], ids=["preLN", "postLN"])
+def test_stochastic_mode_uses_the_atomic_attention_backward_and_matches(monkeypatch, pre_ln):
+    """Triton backend (interpreted): stochastic_mode=True passes deterministic=False to the
+    attention op (the atomic-dQ backward); forward and dropout masks are identical, gradients
+    equal the deterministic layer's within the fp32 table."""
+    from tachyon.kernels.attention import triton as attention_triton
+
+    flags = []
+    original = attention_triton.attention_bwd
+    monkeypatch.setattr(attention_triton, "attention_bwd", lambda *a: flags.append(a[-1]) or original(*a))
+    x, grad = torch.randn(2, 7, 32), torch.randn(2, 7, 32)
+    mask = padding_mask(2, 7)
+    results = []
+    for stochastic in (False, True):
+        monkeypatch.setattr(TransformerKernelLayer, "layer_id", 0)
+        layer = randomize(TransformerKernelLayer(make_config(
+            stochastic_mode=stochastic, attn_dropout_ratio=0.2, hidden_dropout_ratio=0.1, pre_layer_norm=pre_ln),
+            backend="triton"))
+        xx = x.clone().requires_grad_()
+        out = layer(xx, mask)
+        out.backward(grad)
+        results.append((out.detach(), xx.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    assert flags == [True, False], f"deterministic flags passed to the Triton backward: {flags}"
+    (out0, dx0, g0), (out1, dx1, g1) = results
+    assert torch.equal(out0, out1), "stochastic_mode must not change the forward"
+    assert_close(dx1, dx0, name="dx")
+    for name, g in g1.items():
+        assert_close(g, g0[name], atol=PARAM_GRAD_ATOL, name=name)
 
 
 # --- inference mode ---------------------------------------------------------------------------

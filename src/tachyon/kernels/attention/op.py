@@ -9,6 +9,10 @@ Both backends go through the same custom ops (``tachyon::attention_fwd`` /
 either through the fake implementations: q, k, v, out, the fp32 logsumexp [b, h, sq] and the
 [b, sk] fp32 bias; never the [sq, sk] probabilities (backward recomputes them), never a dropout
 mask (backward regenerates it from the seed).
+
+The seed is an int or a 0-dim int64 tensor on q's device. Through the custom ops an int travels
+as ``seed`` and a tensor as ``seed_tensor`` (a graph input under torch.compile, saved for
+backward; 8 bytes), so a per-step tensor seed never forces a recompile.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import Tensor
 from tachyon.backend import resolve
 from tachyon.kernels.attention import reference
 from tachyon.kernels.common import check_dtype, check_same_device
+from tachyon.kernels.random import check_seed
 
 OP = "attention"
 MAX_TRITON_HEAD_DIM = 256
@@ -29,19 +34,23 @@ MAX_TRITON_HEAD_DIM = 256
 @torch.library.custom_op("tachyon::attention_fwd", mutates_args=())
 def _attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, key_padding_bias: Tensor | None, causal: bool, dropout_p: float,
-    seed: int, softmax_scale: float, backend: str,
+    seed: int, seed_tensor: Tensor | None, softmax_scale: float, deterministic: bool, backend: str,
 ) -> tuple[Tensor, Tensor]:
     """q: [b, h, sq, d], k, v: [b, kvh, sk, d] (unit stride in d), bias: fp32 [b, sk] or None.
+    The Philox seed is ``seed_tensor`` (0-dim int64) when given, else ``seed``. ``deterministic``
+    only matters to the backward (setup_context keeps it).
     Returns (out [b, h, sq, d] contiguous in q's dtype, lse [b, h, sq] fp32)."""
+    del deterministic
+    s = seed_tensor if seed_tensor is not None else seed
     if backend == "triton":
         from tachyon.kernels.attention import triton as tri
 
-        return tri.attention_fwd(q, k, v, key_padding_bias, causal, dropout_p, seed, softmax_scale)
-    return reference.attention_forward(q, k, v, key_padding_bias, causal, dropout_p, seed, softmax_scale)
+        return tri.attention_fwd(q, k, v, key_padding_bias, causal, dropout_p, s, softmax_scale)
+    return reference.attention_forward(q, k, v, key_padding_bias, causal, dropout_p, s, softmax_scale)
 
 
 @_attention_fwd.register_fake
-def _(q, k, v, key_padding_bias, causal, dropout_p, seed, softmax_scale, backend):
+def _(q, k, v, key_padding_bias, causal, dropout_p, seed, seed_tensor, softmax_scale, deterministic, backend):
     out = q.new_empty(q.shape)
     return out, q.new_empty(q.shape[:3], dtype=torch.float32)
 
@@ -49,41 +58,47 @@ def _(q, k, v, key_padding_bias, causal, dropout_p, seed, softmax_scale, backend
 @torch.library.custom_op("tachyon::attention_bwd", mutates_args=())
 def _attention_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding_bias: Tensor | None,
-    causal: bool, dropout_p: float, seed: int, softmax_scale: float, backend: str,
+    causal: bool, dropout_p: float, seed: int, seed_tensor: Tensor | None, softmax_scale: float,
+    deterministic: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv), contiguous, in the dtypes and shapes of q, k, v."""
-    impl = reference.attention_backward
+    s = seed_tensor if seed_tensor is not None else seed
     if backend == "triton":
         from tachyon.kernels.attention import triton as tri
 
-        impl = tri.attention_bwd
-    return impl(dout, q, k, v, out, lse, key_padding_bias, causal, dropout_p, seed, softmax_scale)
+        return tri.attention_bwd(dout, q, k, v, out, lse, key_padding_bias, causal, dropout_p, s, softmax_scale,
+                                 deterministic)
+    return reference.attention_backward(dout, q, k, v, out, lse, key_padding_bias, causal, dropout_p, s,
+                                        softmax_scale)
 
 
 @_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, key_padding_bias, causal, dropout_p, seed, softmax_scale, backend):
+def _(dout, q, k, v, out, lse, key_padding_bias, causal, dropout_p, seed, seed_tensor, softmax_scale,
+      deterministic, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, bias, causal, dropout_p, seed, softmax_scale, backend = inputs
+    q, k, v, bias, causal, dropout_p, seed, seed_tensor, softmax_scale, deterministic, backend = inputs
     out, lse = output
-    ctx.causal, ctx.dropout_p, ctx.seed, ctx.softmax_scale, ctx.backend = causal, dropout_p, seed, softmax_scale, backend
-    ctx.save_for_backward(q, k, v, out, lse, bias)
+    ctx.causal, ctx.dropout_p, ctx.seed, ctx.softmax_scale = causal, dropout_p, seed, softmax_scale
+    ctx.deterministic, ctx.backend = deterministic, backend
+    ctx.save_for_backward(q, k, v, out, lse, bias, seed_tensor)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, bias = ctx.saved_tensors
+    q, k, v, out, lse, bias, seed_tensor = ctx.saved_tensors
     dq, dk, dv = _attention_bwd(
-        dout.contiguous(), q, k, v, out, lse, bias, ctx.causal, ctx.dropout_p, ctx.seed, ctx.softmax_scale, ctx.backend,
+        dout.contiguous(), q, k, v, out, lse, bias, ctx.causal, ctx.dropout_p, ctx.seed, seed_tensor,
+        ctx.softmax_scale, ctx.deterministic, ctx.backend,
     )
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_inputs(q, k, v, key_padding_bias, dropout_p, seed, softmax_scale) -> None:
+def _check_inputs(q, k, v, key_padding_bias, dropout_p, seed, softmax_scale, deterministic) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             what = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
@@ -117,8 +132,10 @@ def _check_inputs(q, k, v, key_padding_bias, dropout_p, seed, softmax_scale) -> 
     check_same_device(OP, q=q, k=k, v=v, key_padding_bias=key_padding_bias)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{OP}: dropout_p must be a float in [0, 1); got {dropout_p!r}")
-    if dropout_p > 0.0 and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise ValueError(f"{OP}: dropout_p={dropout_p} needs seed, an int in [0, 2**63); got {seed!r}")
+    if dropout_p > 0.0:
+        check_seed(OP, seed, q.device, f" (dropout_p={dropout_p} needs one)")
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"{OP}: deterministic must be True or False; got {deterministic!r}")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
                                       or not math.isfinite(softmax_scale)):
         raise ValueError(f"{OP}: softmax_scale must be a finite float or None (1/sqrt(head_dim)); got {softmax_scale!r}")
@@ -130,8 +147,8 @@ def _unit_last_stride(t: Tensor) -> Tensor:
 
 def attention(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key_padding_bias: Tensor | None = None,
-    dropout_p: float = 0.0, seed: int | None = None, softmax_scale: float | None = None,
-    backend: str | None = None,
+    dropout_p: float = 0.0, seed: int | Tensor | None = None, softmax_scale: float | None = None,
+    deterministic: bool = True, backend: str | None = None,
 ) -> Tensor:
     """Scaled dot-product attention without materializing the [seq_q, seq_k] probabilities.
 
@@ -145,20 +162,28 @@ def attention(
     - ``key_padding_bias``: [batch, seq_k] float, added to every query's scores for that key
       (0 = keep; -inf or any value <= -32752, e.g. HF's finfo.min, = masked; see
       :func:`padding_bias_from_mask`). It gets no gradient.
-    - ``dropout_p`` on the attention probabilities, with ``seed`` (int, required when > 0):
+    - ``dropout_p`` on the attention probabilities, with ``seed`` (required when > 0): an int in
+      [0, 2**63) or a 0-dim int64 tensor on q's device holding one (not read on the host: no
+      sync, and under torch.compile a graph input, so a new seed per step does not recompile).
       keep[b, h, i, j] = rand(seed, ((b * heads + h) * seq_q + i) * seq_k + j) > dropout_p,
-      kept probabilities scaled by 1 / (1 - dropout_p); same seed, same mask, on every backend.
+      kept probabilities scaled by 1 / (1 - dropout_p); same seed value, same mask, whether int
+      or tensor, on every backend. A tensor seed is saved for backward.
     - ``softmax_scale``: default 1 / sqrt(head_dim).
+    - ``deterministic``: True (default) gives a bit-reproducible backward. False selects, on the
+      Triton backend, the FlashAttention-2-style backward whose dK/dV kernel also accumulates dQ
+      with fp32 atomics (probabilities recomputed once instead of twice; on a GPU dQ's summation
+      order, hence its last bits, can vary run to run; out, dK and dV do not). The torch backend
+      ignores it (its backward is always deterministic).
 
     Rows whose keys are all masked (all -inf) return 0 with zero gradients, not NaN (HF's finfo.min
     masks give a uniform average there instead; rows with one real key agree).
 
     Returns out [batch, heads, seq_q, head_dim] in q's dtype (contiguous). Saved for backward:
-    q, k, v, out, the fp32 logsumexp [batch, heads, seq_q] and the fp32 bias; the probabilities
+    q, k, v, out, the fp32 logsumexp [batch, heads, seq_q], the fp32 bias and a tensor seed; the probabilities
     are recomputed and the dropout mask regenerated in backward. Backend: "triton" (CUDA, or the
     CPU interpreter), "torch" (the memory-efficient PyTorch path), or None for tachyon's choice.
     """
-    _check_inputs(q, k, v, key_padding_bias, dropout_p, seed, softmax_scale)
+    _check_inputs(q, k, v, key_padding_bias, dropout_p, seed, softmax_scale, deterministic)
     chosen = resolve(q, backend)
     head_dim = q.shape[-1]
     if chosen == "triton" and head_dim > MAX_TRITON_HEAD_DIM:
@@ -168,9 +193,12 @@ def attention(
     bias = reference.masked_bias(key_padding_bias)
     dropout_p = float(dropout_p)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    seed_int, seed_tensor = 0, None
+    if dropout_p > 0.0:
+        seed_int, seed_tensor = (0, seed) if isinstance(seed, Tensor) else (int(seed), None)
     out, _ = _attention_fwd(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), bias, bool(causal), dropout_p,
-        int(seed) if dropout_p > 0.0 else 0, scale, chosen,
+        seed_int, seed_tensor, scale, deterministic, chosen,
     )
     return out
 

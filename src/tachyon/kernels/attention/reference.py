@@ -11,6 +11,8 @@ reads kv head h // (heads // kv_heads): GQA, or MQA when kv_heads == 1):
 
 with flat index ((b * heads + h) * seq_q + i) * seq_k + j (int64), drawn by the shared Philox
 generator (:mod:`tachyon.kernels.random`) so the Triton kernel drops exactly the same elements.
+Every ``seed`` here is an int or a 0-dim int64 tensor on q's device (the same value gives the
+same mask either way).
 
 A bias at or below MASKED_BIAS (-32752, half of fp16's most negative value: HF's finfo.min in
 fp16, bf16 or fp32 all qualify) counts as -inf, i.e. masked. Fully masked rows (every key at -inf,
@@ -61,7 +63,7 @@ def _default_scale(head_dim: int, softmax_scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
-def dropout_keep(seed: int, dropout_p: float, batch: int, heads: int, seq_q: int, seq_k: int,
+def dropout_keep(seed: int | torch.Tensor, dropout_p: float, batch: int, heads: int, seq_q: int, seq_k: int,
                  rows: tuple[int, int] | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
     """Boolean keep mask [batch, heads, rows, seq_k] of the attention dropout (rows: query range).
 

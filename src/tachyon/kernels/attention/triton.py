@@ -10,7 +10,7 @@ Causal programs stop at the last key block their rows can see. Each loop is spli
 blocks every row sees whole run without any mask, and only the blocks that cross seq_k or the
 causal diagonal pay for the masking (the same split in the backward loops).
 
-Backward, deterministic (no atomics), recomputing P = exp(S - lse) from q, k and lse:
+Backward, deterministic by default (no atomics), recomputing P = exp(S - lse) from q, k and lse:
 1. delta = rowsum(dO * O) per query row (fp32).
 2. dK, dV: one program per (block of BLOCK_N keys, batch * kv head); it loops over the query
    heads of its GQA group and over the query blocks that can see its keys, accumulating
@@ -18,6 +18,14 @@ Backward, deterministic (no atomics), recomputing P = exp(S - lse) from q, k and
 3. dQ: one program per (block of BLOCK_M query rows, batch * head), looping over key blocks:
    dQ += dS K.
 Z is the dropout mask / (1 - p), regenerated from tl.rand(seed, flat index) wherever it is needed.
+The seed is a scalar argument (an int) or loaded from a 0-dim int64 tensor (SEED_FROM_PTR), the
+form torch.compile and the BERT layer's on-device seed counter use.
+
+Non-deterministic backward (``deterministic=False``, FlashAttention-2 style): step 3 is folded
+into step 2. The dK/dV program already holds dS for each (query block, its key block); it also
+atomically adds dS K * scale into a zeroed fp32 dQ buffer, so P is recomputed once instead of
+twice and one kernel launch is saved. Different key blocks add into the same dQ rows in an order
+the GPU scheduler picks, so dQ is not bit-reproducible run to run (dK, dV and the forward are).
 
 On GPU each kernel autotunes over a few block shapes (key: head_dim, flags, dtypes and a
 power-of-two bucket of the sequence length); under the interpreter there is one small config.
@@ -31,6 +39,7 @@ import triton
 import triton.language as tl
 
 from tachyon.backend import triton_interpreting
+from tachyon.kernels.random.triton import load_seed, seed_args
 
 MAX_HEAD_DIM = 256
 LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
@@ -106,15 +115,17 @@ def _fwd_kernel(
     Q, K, V, BIAS, OUT, LSE,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om, stride_bias_b,
-    heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed,
+    heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed, SEED_PTR,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEED_FROM_PTR: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // heads
     h = bh % heads
     kvh = h // group
+    seed = load_seed(seed, SEED_PTR, SEED_FROM_PTR)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -176,14 +187,17 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _dkdv_block(
-    dk, dv, k, v, bias, q_base, do_base, lse_row, delta_row, start_m, offs_m0, offs_n, offs_d, d_valid,
-    stride_qm, stride_dom, seq_q, seq_k, diag, qk_scale, dropout_p, inv_keep, seed, drop_base,
+    dk, dv, k, v, bias, q_base, do_base, lse_row, delta_row, dq_base, start_m, offs_m0, offs_n, offs_d, d_valid,
+    stride_qm, stride_dom, seq_q, seq_k, diag, sm_scale, qk_scale, dropout_p, inv_keep, seed, drop_base,
     IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One query block's contribution to dK, dV of a key block. Rows past seq_q load lse = +inf,
     so their P is 0; columns past seq_k only touch rows of dK/dV that are never stored. MASKED:
-    the block crosses the causal diagonal. Base 2: bias is pre-scaled by log2(e)."""
+    the block crosses the causal diagonal. Base 2: bias is pre-scaled by log2(e).
+
+    ATOMIC_DQ: also add this block's dQ = scale * dS K to the fp32 rows at dq_base (row stride
+    HEAD_DIM) with atomics; P at keys past seq_k is zeroed first (it may overflow there)."""
     offs_m = start_m + offs_m0
     m_valid = offs_m < seq_q
     qd_mask = m_valid[:, None] & d_valid[None, :]
@@ -197,6 +211,8 @@ def _dkdv_block(
     p = tl.exp2(s - lse[:, None] * LOG2E)
     if MASKED:
         p = tl.where(offs_n[None, :] <= offs_m[:, None] + diag, p, 0.0)
+    if ATOMIC_DQ:
+        p = tl.where(offs_n[None, :] < seq_k, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         keep = tl.rand(seed, ((drop_base + offs_m) * seq_k)[:, None] + offs_n[None, :]) > dropout_p
@@ -207,23 +223,30 @@ def _dkdv_block(
     dv += tl.dot(tl.trans(pd.to(do.dtype)), do, input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
     dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+    if ATOMIC_DQ:
+        dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * sm_scale
+        tl.atomic_add(dq_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], dq, mask=qd_mask, sem="relaxed")
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})
+# DQ_ACC is zeroed before each timed config: the atomic variant accumulates into it
+@triton.autotune(configs=_DKDV_CONFIGS, key=_KEY + ["ATOMIC_DQ"], prune_configs_by={"early_config_prune": _prune},
+                 reset_to_zero=["DQ_ACC"])
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, BIAS, DO, LSE, DELTA, DK, DV,
+    Q, K, V, BIAS, DO, LSE, DELTA, DK, DV, DQ_ACC,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_bias_b,
-    heads, kv_heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed,
+    heads, kv_heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed, SEED_PTR,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEED_FROM_PTR: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bkv = tl.program_id(1).to(tl.int64)
     b = bkv // kv_heads
     kvh = bkv % kv_heads
+    seed = load_seed(seed, SEED_PTR, SEED_FROM_PTR)
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -251,16 +274,19 @@ def _bwd_dkdv_kernel(
         bh = b * heads + h
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
+        dq_base = DQ_ACC + bh * seq_q * HEAD_DIM  # read only with ATOMIC_DQ: fp32 [b, h, sq, d] contiguous
         for start_m in range(lo, full_lo, BLOCK_M):
             dk, dv = _dkdv_block(
-                dk, dv, k, v, bias, q_base, do_base, LSE + bh * seq_q, DELTA + bh * seq_q, start_m, offs_m0, offs_n,
-                offs_d, d_valid, stride_qm, stride_dom, seq_q, seq_k, diag, sm_scale * LOG2E, dropout_p, inv_keep, seed,
-                bh * seq_q, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, True, DOT_PRECISION)
+                dk, dv, k, v, bias, q_base, do_base, LSE + bh * seq_q, DELTA + bh * seq_q, dq_base, start_m, offs_m0,
+                offs_n, offs_d, d_valid, stride_qm, stride_dom, seq_q, seq_k, diag, sm_scale, sm_scale * LOG2E,
+                dropout_p, inv_keep, seed, bh * seq_q, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, True, ATOMIC_DQ, HEAD_DIM,
+                DOT_PRECISION)
         for start_m in range(full_lo, seq_q, BLOCK_M):
             dk, dv = _dkdv_block(
-                dk, dv, k, v, bias, q_base, do_base, LSE + bh * seq_q, DELTA + bh * seq_q, start_m, offs_m0, offs_n,
-                offs_d, d_valid, stride_qm, stride_dom, seq_q, seq_k, diag, sm_scale * LOG2E, dropout_p, inv_keep, seed,
-                bh * seq_q, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, False, DOT_PRECISION)
+                dk, dv, k, v, bias, q_base, do_base, LSE + bh * seq_q, DELTA + bh * seq_q, dq_base, start_m, offs_m0,
+                offs_n, offs_d, d_valid, stride_qm, stride_dom, seq_q, seq_k, diag, sm_scale, sm_scale * LOG2E,
+                dropout_p, inv_keep, seed, bh * seq_q, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, False, ATOMIC_DQ, HEAD_DIM,
+                DOT_PRECISION)
     out_off = b * stride_dkb + kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -310,15 +336,17 @@ def _bwd_dq_kernel(
     Q, K, V, BIAS, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_bias_b,
-    heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed,
+    heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed, SEED_PTR,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEED_FROM_PTR: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // heads
     h = bh % heads
     kvh = h // group
+    seed = load_seed(seed, SEED_PTR, SEED_FROM_PTR)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -379,34 +407,44 @@ def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
 
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, causal: bool,
-    dropout_p: float, seed: int, softmax_scale: float,
+    dropout_p: float, seed: int | torch.Tensor, softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out [b, h, sq, d] contiguous in q's dtype, lse [b, h, sq] fp32)."""
+    """Returns (out [b, h, sq, d] contiguous in q's dtype, lse [b, h, sq] fp32).
+
+    seed: an int (a scalar kernel argument) or a 0-dim int64 tensor on q's device (loaded by the
+    kernel; never read on the host)."""
     if _interpreted_bf16(q):
         out, lse = attention_fwd(q.float(), k.float(), v.float(), bias, causal, dropout_p, seed, softmax_scale)
         return out.to(q.dtype), lse
     batch, heads, kv_heads, seq_q, seq_k, bucket, inv_keep, flags = _common(q, k, bias, causal, dropout_p)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
+    seed_int, seed_ptr, from_ptr = seed_args(seed, lse)
     grid = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads)  # noqa: E731
     _fwd_kernel[grid](
         q, k, v, bias if bias is not None else q, out, lse,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out), bias.stride(0) if bias is not None else 0,
-        heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_p, inv_keep, seed,
-        **flags,
+        heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_p, inv_keep, seed_int, seed_ptr,
+        SEED_FROM_PTR=from_ptr, **flags,
     )
     return out, lse
 
 
 def attention_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, bias: torch.Tensor | None, causal: bool, dropout_p: float, seed: int,
-    softmax_scale: float,
+    lse: torch.Tensor, bias: torch.Tensor | None, causal: bool, dropout_p: float, seed: int | torch.Tensor,
+    softmax_scale: float, deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dq, dk, dv), contiguous, in the dtypes of q, k, v. Deterministic: no atomics."""
+    """Returns (dq, dk, dv), contiguous, in the dtypes of q, k, v.
+
+    deterministic=True: three kernels (delta, dK/dV, dQ), no atomics, bit-reproducible.
+    deterministic=False: two kernels; the dK/dV kernel also adds each block's dQ into a zeroed fp32
+    [b, h, sq, d] buffer with atomics (P is recomputed once instead of twice), then dQ is cast
+    to q's dtype. The order of those fp32 additions varies from run to run on a GPU, so dQ may
+    differ in its last bits between runs; dK and dV are unchanged."""
     if _interpreted_bf16(q):
         grads = attention_bwd(dout.float(), q.float(), k.float(), v.float(), out.float(), lse, bias, causal,
-                              dropout_p, seed, softmax_scale)
+                              dropout_p, seed, softmax_scale, deterministic)
         return tuple(g.to(q.dtype) for g in grads)
     batch, heads, kv_heads, seq_q, seq_k, bucket, inv_keep, flags = _common(q, k, bias, causal, dropout_p)
     delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
@@ -415,20 +453,26 @@ def attention_bwd(
         out, dout, delta, *_strides3(out), *_strides3(dout), heads, seq_q,
         HEAD_DIM=flags["HEAD_DIM"], BLOCK_D=flags["BLOCK_D"], BLOCK_M=block_delta,
     )
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    # the atomic variant's fp32 dQ accumulator; otherwise dk stands in (never read or written)
+    dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    seed_int, seed_ptr, from_ptr = seed_args(seed, delta)
     bias_arg = bias if bias is not None else q
     bias_stride = bias.stride(0) if bias is not None else 0
     common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout))
     _bwd_dkdv_kernel[lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]), batch * kv_heads)](
-        q, k, v, bias_arg, dout, lse, delta, dk, dv, *common, *_strides3(dk), bias_stride,
-        heads, kv_heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_p, inv_keep, seed,
-        **flags,
+        q, k, v, bias_arg, dout, lse, delta, dk, dv, dq_acc if dq_acc is not None else dk,
+        *common, *_strides3(dk), bias_stride, heads, kv_heads, heads // kv_heads, seq_q, seq_k, bucket,
+        softmax_scale, dropout_p, inv_keep, seed_int, seed_ptr, SEED_FROM_PTR=from_ptr,
+        ATOMIC_DQ=not deterministic, **flags,
     )
+    if dq_acc is not None:
+        return (dq_acc if q.dtype == torch.float32 else dq_acc.to(q.dtype)), dk, dv
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _bwd_dq_kernel[lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads)](
         q, k, v, bias_arg, dout, lse, delta, dq, *common, *_strides3(dq), bias_stride,
-        heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_p, inv_keep, seed,
-        **flags,
+        heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_p, inv_keep, seed_int, seed_ptr,
+        SEED_FROM_PTR=from_ptr, **flags,
     )
     return dq, dk, dv

@@ -5,14 +5,18 @@
 
 The dropout mask is keep[i] = tachyon.kernels.random.rand(seed, i) > p for the flat index i of x,
 identical on both backends, and it is never stored: the backward regenerates it from (seed, i).
+The seed is an int, or a 0-dim int64 tensor on x's device (never read on the host; under
+torch.compile a graph input, so a per-step seed does not recompile). Through the custom ops an
+int travels as ``seed`` and a tensor as ``seed_tensor``; the same value gives the same mask.
 
 What is saved for backward:
 
-- ``bias_dropout_add``: nothing of x's size (p, seed and which inputs were given, as Python
-  values): dx = where(keep, dout / (1 - p), 0), dbias = its row sum, dresidual = dout.
+- ``bias_dropout_add``: nothing of x's size (p, an int seed and which inputs were given, as
+  Python values; a tensor seed, 8 bytes): dx = where(keep, dout / (1 - p), 0), dbias = its row
+  sum, dresidual = dout.
 - ``bias_dropout_add_layer_norm``: z (the norm's input), weight, ln_bias and the fp32 row
   statistics; with ``invertible=True`` the output y instead of z (the backward recomputes the
-  normalized value as (y - ln_bias) / weight, so weight must have no zeros).
+  normalized value as (y - ln_bias) / weight, so weight must have no zeros); and a tensor seed.
 
 Both backends run through the same custom ops, so they save the same tensors and torch.compile
 traces them through the fake implementations.
@@ -26,6 +30,7 @@ from torch import Tensor
 from tachyon.backend import resolve
 from tachyon.kernels.common import check_dtype, check_same_device, check_shape
 from tachyon.kernels.dropout import reference
+from tachyon.kernels.random import check_seed
 
 MAX_TRITON_N = 65536  # rows of the fused LayerNorm kernel are one Triton block
 
@@ -40,50 +45,63 @@ def _tri():
     return tri
 
 
+def _seed(seed: int, seed_tensor: Tensor | None) -> int | Tensor:
+    return seed_tensor if seed_tensor is not None else seed
+
+
+def _split_seed(seed: int | Tensor) -> tuple[int, Tensor | None]:
+    """(int seed, tensor seed or None) as the custom ops take them."""
+    return (0, seed) if isinstance(seed, Tensor) else (int(seed), None)
+
+
 # --- bias + dropout + residual ------------------------------------------------------------------
 
 @torch.library.custom_op("tachyon::bias_dropout_add_fwd", mutates_args=())
-def _bda_fwd(x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float, seed: int, backend: str) -> Tensor:
+def _bda_fwd(x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float, seed: int, seed_tensor: Tensor | None,
+             backend: str) -> Tensor:
     """x, residual: [M, N] contiguous; p == 0 means no dropout. Returns out [M, N] in x's dtype."""
     impl = _tri().bias_dropout_add_fwd if backend == "triton" else reference.bias_dropout_add_forward
-    return impl(x, bias, residual, p, seed)
+    return impl(x, bias, residual, p, _seed(seed, seed_tensor))
 
 
 @_bda_fwd.register_fake
-def _(x, bias, residual, p, seed, backend):
+def _(x, bias, residual, p, seed, seed_tensor, backend):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("tachyon::dropout_bwd", mutates_args=())
-def _dropout_bwd(dout: Tensor, p: float, seed: int, want_dbias: bool, backend: str) -> tuple[Tensor, Tensor]:
+def _dropout_bwd(dout: Tensor, p: float, seed: int, seed_tensor: Tensor | None, want_dbias: bool,
+                 backend: str) -> tuple[Tensor, Tensor]:
     """dout: [M, N]. Returns (dx = where(keep, dout / (1 - p), 0), fp32 row sum of dx or an empty tensor)."""
     impl = _tri().dropout_bwd if backend == "triton" else reference.bias_dropout_backward
-    dx, db = impl(dout, p, seed, want_dbias, dout.dtype)
+    dx, db = impl(dout, p, _seed(seed, seed_tensor), want_dbias, dout.dtype)
     return dx, (db if db is not None else _empty(dout))
 
 
 @_dropout_bwd.register_fake
-def _(dout, p, seed, want_dbias, backend):
+def _(dout, p, seed, seed_tensor, want_dbias, backend):
     db = dout.new_empty(dout.shape[1], dtype=torch.float32) if want_dbias else _empty(dout)
     return torch.empty_like(dout), db
 
 
 def _bda_setup(ctx, inputs, output) -> None:
-    x, bias, residual, p, seed, backend = inputs
+    x, bias, residual, p, seed, seed_tensor, backend = inputs
     ctx.p, ctx.seed, ctx.backend = p, seed, backend
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.has_residual = residual is not None
+    ctx.save_for_backward(seed_tensor)
 
 
 def _bda_backward(ctx, dout):
+    (seed_tensor,) = ctx.saved_tensors
     dout = dout.contiguous()
     want_dbias = ctx.bias_dtype is not None
     if ctx.p > 0:
-        dx, db = _dropout_bwd(dout, ctx.p, ctx.seed, want_dbias, ctx.backend)
+        dx, db = _dropout_bwd(dout, ctx.p, ctx.seed, seed_tensor, want_dbias, ctx.backend)
     else:  # no dropout: out = x + bias + residual
         dx, db = dout, (dout.float().sum(0) if want_dbias else None)
     dbias = db.to(ctx.bias_dtype) if want_dbias else None
-    return dx, dbias, (dout if ctx.has_residual else None), None, None, None
+    return dx, dbias, (dout if ctx.has_residual else None), None, None, None, None
 
 
 _bda_fwd.register_autograd(_bda_backward, setup_context=_bda_setup)
@@ -94,16 +112,16 @@ _bda_fwd.register_autograd(_bda_backward, setup_context=_bda_setup)
 @torch.library.custom_op("tachyon::bias_dropout_add_norm_fwd", mutates_args=())
 def _bdan_fwd(
     x: Tensor, bias: Tensor | None, residual: Tensor | None, weight: Tensor, ln_bias: Tensor | None,
-    eps: float, p: float, seed: int, rms: bool, invertible: bool, backend: str,
+    eps: float, p: float, seed: int, seed_tensor: Tensor | None, rms: bool, invertible: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x, residual: [M, N] contiguous. Returns (y, z, mean, rstd); mean, rstd fp32 [M]."""
     del invertible  # only changes what setup_context saves
     impl = _tri().bias_dropout_add_norm_fwd if backend == "triton" else reference.bias_dropout_add_norm_forward
-    return impl(x, bias, residual, weight, ln_bias, eps, p, seed, rms)
+    return impl(x, bias, residual, weight, ln_bias, eps, p, _seed(seed, seed_tensor), rms)
 
 
 @_bdan_fwd.register_fake
-def _(x, bias, residual, weight, ln_bias, eps, p, seed, rms, invertible, backend):
+def _(x, bias, residual, weight, ln_bias, eps, p, seed, seed_tensor, rms, invertible, backend):
     stats = x.new_empty(x.shape[0], dtype=torch.float32)
     return torch.empty_like(x), torch.empty_like(x), stats, torch.empty_like(stats)
 
@@ -111,12 +129,14 @@ def _(x, bias, residual, weight, ln_bias, eps, p, seed, rms, invertible, backend
 @torch.library.custom_op("tachyon::bias_dropout_add_norm_bwd", mutates_args=())
 def _bdan_bwd(
     dy: Tensor, saved: Tensor, dz_out: Tensor | None, weight: Tensor, ln_bias: Tensor | None, mean: Tensor,
-    rstd: Tensor, p: float, seed: int, rms: bool, from_output: bool, want_dbias: bool, want_dres: bool, backend: str,
+    rstd: Tensor, p: float, seed: int, seed_tensor: Tensor | None, rms: bool, from_output: bool, want_dbias: bool,
+    want_dres: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx, dresidual or empty, fp32 dbias or empty, dweight, dln_bias or empty).
 
     dresidual is only computed when ``want_dres`` and p > 0; otherwise it equals dx.
     """
+    seed = _seed(seed, seed_tensor)
     if backend == "triton":
         dx, dres, db, dw, dlnb = _tri().bias_dropout_add_norm_bwd(
             dy, saved, dz_out, weight, ln_bias, mean, rstd, p, seed, rms, from_output, want_dbias, want_dres,
@@ -131,7 +151,8 @@ def _bdan_bwd(
 
 
 @_bdan_bwd.register_fake
-def _(dy, saved, dz_out, weight, ln_bias, mean, rstd, p, seed, rms, from_output, want_dbias, want_dres, backend):
+def _(dy, saved, dz_out, weight, ln_bias, mean, rstd, p, seed, seed_tensor, rms, from_output, want_dbias, want_dres,
+      backend):
     dres = torch.empty_like(dy) if want_dres and p > 0 else _empty(dy)
     db = dy.new_empty(dy.shape[1], dtype=torch.float32) if want_dbias else _empty(dy)
     dlnb = torch.empty_like(ln_bias) if ln_bias is not None else _empty(weight)
@@ -139,32 +160,32 @@ def _(dy, saved, dz_out, weight, ln_bias, mean, rstd, p, seed, rms, from_output,
 
 
 def _bdan_setup(ctx, inputs, output) -> None:
-    x, bias, residual, weight, ln_bias, _eps, p, seed, rms, invertible, backend = inputs
+    x, bias, residual, weight, ln_bias, _eps, p, seed, seed_tensor, rms, invertible, backend = inputs
     y, z, mean, rstd = output
     ctx.p, ctx.seed, ctx.rms, ctx.invertible, ctx.backend = p, seed, rms, invertible, backend
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.has_residual, ctx.has_ln_bias = residual is not None, ln_bias is not None
     if invertible:
-        ctx.save_for_backward(y, weight, ln_bias, None, rstd)
+        ctx.save_for_backward(y, weight, ln_bias, None, rstd, seed_tensor)
     else:
-        ctx.save_for_backward(z, weight, ln_bias, None if rms else mean, rstd)
+        ctx.save_for_backward(z, weight, ln_bias, None if rms else mean, rstd, seed_tensor)
 
 
 def _bdan_backward(ctx, dy, dz_out, _dmean, _drstd):
-    saved, weight, ln_bias, mean, rstd = ctx.saved_tensors
+    saved, weight, ln_bias, mean, rstd, seed_tensor = ctx.saved_tensors
     if mean is None:
         mean = rstd  # not read (RMSNorm, or the invertible form)
     use_dz = dz_out is not None and dz_out.numel() > 0
     want_dbias = ctx.bias_dtype is not None
     dx, dres, db, dw, dlnb = _bdan_bwd(
         dy.contiguous(), saved, dz_out.contiguous() if use_dz else None, weight, ln_bias, mean, rstd, ctx.p,
-        ctx.seed, ctx.rms, ctx.invertible, want_dbias, ctx.has_residual, ctx.backend,
+        ctx.seed, seed_tensor, ctx.rms, ctx.invertible, want_dbias, ctx.has_residual, ctx.backend,
     )
     dresidual = None
     if ctx.has_residual:
         dresidual = dres if ctx.p > 0 else dx
     dbias = db.to(ctx.bias_dtype) if want_dbias else None
-    return (dx, dbias, dresidual, dw, (dlnb if ctx.has_ln_bias else None), None, None, None, None, None, None)
+    return (dx, dbias, dresidual, dw, (dlnb if ctx.has_ln_bias else None), None, None, None, None, None, None, None)
 
 
 _bdan_fwd.register_autograd(_bdan_backward, setup_context=_bdan_setup)
@@ -173,9 +194,11 @@ _bdan_fwd.register_autograd(_bdan_backward, setup_context=_bdan_setup)
 # --- public API ----------------------------------------------------------------------------------
 
 def _check_common(
-    op: str, x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float, seed: int | None, training: bool,
-) -> tuple[float, int]:
-    """Validates the shared arguments; returns (effective p, seed as passed to the kernels)."""
+    op: str, x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float, seed: int | Tensor | None,
+    training: bool,
+) -> tuple[float, int, Tensor | None]:
+    """Validates the shared arguments; returns (effective p, int seed, tensor seed or None) as
+    the custom ops take them."""
     if not isinstance(x, Tensor) or x.dim() < 1:
         raise ValueError(f"{op}: x must be a tensor with at least one dimension; got {type(x).__name__}")
     n = x.shape[-1]
@@ -193,38 +216,37 @@ def _check_common(
         raise ValueError(f"{op}: p is the dropout probability and must be a number in [0, 1]; got {p!r}")
     p = float(p) if training else 0.0
     if p == 0.0:
-        return 0.0, 0
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ValueError(
-            f"{op}: seed must be an int in [0, 2**63) when dropout is active (p={p}, training=True); got {seed!r}"
-        )
-    return p, seed
+        return 0.0, 0, None
+    seed = check_seed(op, seed, x.device, f" when dropout is active (p={p}, training=True)")
+    return (p, *_split_seed(seed))
 
 
 def bias_dropout_add(
-    x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float, seed: int | None, *,
+    x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float, seed: int | Tensor | None, *,
     training: bool = True, backend: str | None = None,
 ) -> Tensor:
     """out = residual + dropout(x + bias), computed in fp32 and returned in x's dtype.
 
     x: [..., N]; bias: [N] or None; residual: x's shape and dtype, or None (then out is
     dropout(x + bias)). Element i (flat index of x) is kept when rand(seed, i) > p and scaled by
-    1 / (1 - p). p == 0 or training=False: no dropout, seed may be None. Saves nothing of x's size
-    for backward; dbias comes back in bias's dtype. Dtypes: float32, float16, bfloat16.
+    1 / (1 - p). seed: an int in [0, 2**63) or a 0-dim int64 tensor on x's device holding one
+    (same value, same mask). p == 0 or training=False: no dropout, seed may be None. Saves
+    nothing of x's size for backward (a tensor seed, 8 bytes); dbias comes back in bias's dtype.
+    Dtypes: float32, float16, bfloat16.
     """
     op = "bias_dropout_add"
-    p, seed = _check_common(op, x, bias, residual, p, seed, training)
+    p, seed, seed_tensor = _check_common(op, x, bias, residual, p, seed, training)
     check_same_device(op, x=x, bias=bias, residual=residual)
     chosen = resolve(x, backend)
     n = x.shape[-1]
     r2 = residual.reshape(-1, n).contiguous() if residual is not None else None
-    out = _bda_fwd(x.reshape(-1, n).contiguous(), bias, r2, p, seed, chosen)
+    out = _bda_fwd(x.reshape(-1, n).contiguous(), bias, r2, p, seed, seed_tensor, chosen)
     return out.view(x.shape)
 
 
 def bias_dropout_add_layer_norm(
     x: Tensor, bias: Tensor | None, residual: Tensor | None, weight: Tensor, ln_bias: Tensor | None, eps: float,
-    p: float, seed: int | None, *, training: bool = True, invertible: bool = False, rms: bool = False,
+    p: float, seed: int | Tensor | None, *, training: bool = True, invertible: bool = False, rms: bool = False,
     backend: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(y, z): z = residual + dropout(x + bias), y = LayerNorm(z) * weight + ln_bias (RMSNorm if ``rms``).
@@ -233,10 +255,10 @@ def bias_dropout_add_layer_norm(
     None). Dropout as in :func:`bias_dropout_add`. z and y are in x's dtype; statistics in fp32,
     from z as stored. One Triton kernel forward (one row per program) and one fused backward giving
     dx, dbias, dresidual, dweight, dln_bias. Saved for backward: z, or y with ``invertible=True``
-    (weight must then have no zeros), plus weight, ln_bias and the fp32 row statistics.
+    (weight must then have no zeros), plus weight, ln_bias, the fp32 row statistics and a tensor seed.
     """
     op = "bias_dropout_add_layer_norm"
-    p, seed = _check_common(op, x, bias, residual, p, seed, training)
+    p, seed, seed_tensor = _check_common(op, x, bias, residual, p, seed, training)
     n = x.shape[-1]
     check_dtype(op, "weight", weight)
     check_shape(op, "weight", weight, (n,))
@@ -251,7 +273,8 @@ def bias_dropout_add_layer_norm(
         raise ValueError(f"{op}: the Triton kernel handles rows of up to {MAX_TRITON_N} elements; got {n} (use backend='torch')")
     r2 = residual.reshape(-1, n).contiguous() if residual is not None else None
     y, z, _, _ = _bdan_fwd(
-        x.reshape(-1, n).contiguous(), bias, r2, weight, ln_bias, float(eps), p, seed, bool(rms), bool(invertible), chosen,
+        x.reshape(-1, n).contiguous(), bias, r2, weight, ln_bias, float(eps), p, seed, seed_tensor, bool(rms),
+        bool(invertible), chosen,
     )
     return y.view(x.shape), z.view(x.shape)
 

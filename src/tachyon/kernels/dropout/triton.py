@@ -2,7 +2,8 @@
 
 The dropout mask is ``tl.rand(seed, row * N + col) > p`` (Philox on the flat index of the
 [M, N] input), so it is regenerated in backward instead of stored, and tachyon.kernels.random.rand
-(the PyTorch Philox) gives the torch path the same mask bit for bit.
+(the PyTorch Philox) gives the torch path the same mask bit for bit. The seed is a scalar
+argument (an int) or loaded from a 0-dim int64 tensor (SEED_FROM_PTR); same value, same mask.
 
 bias_dropout_add: 2-D tiles, out = residual + where(keep, (x + b) * scale, 0) in fp32, stored in
 x's dtype. Backward: each program owns a column block and walks a range of rows, writing
@@ -28,16 +29,19 @@ import torch
 import triton
 import triton.language as tl
 
+from tachyon.kernels.random.triton import load_seed, seed_args
+
 MAX_FUSED_N = 65536  # one row is one block in the fused LayerNorm kernels
 _TILE = 4096
 
 
 @triton.jit
 def _bda_fwd_kernel(
-    X, B, R, OUT, M, N, stride_x, stride_r, stride_o, seed, p, scale,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, DROPOUT: tl.constexpr,
+    X, B, R, OUT, M, N, stride_x, stride_r, stride_o, seed, SEED_PTR, p, scale,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, DROPOUT: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    seed = load_seed(seed, SEED_PTR, SEED_FROM_PTR)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -55,9 +59,11 @@ def _bda_fwd_kernel(
 
 @triton.jit
 def _bda_bwd_kernel(
-    DOUT, DX, DB_PART, M, N, stride_d, stride_dx, rows_per_program, seed, p, scale,
-    HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOUT, DX, DB_PART, M, N, stride_d, stride_dx, rows_per_program, seed, SEED_PTR, p, scale,
+    HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, SEED_FROM_PTR: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
+    seed = load_seed(seed, SEED_PTR, SEED_FROM_PTR)
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -80,10 +86,11 @@ def _bda_bwd_kernel(
 
 @triton.jit
 def _bda_norm_fwd_kernel(
-    X, B, R, W, LNB, Y, Z, MEAN, RSTD, N, stride_x, stride_r, stride_y, stride_z, eps, seed, p, scale,
+    X, B, R, W, LNB, Y, Z, MEAN, RSTD, N, stride_x, stride_r, stride_y, stride_z, eps, seed, SEED_PTR, p, scale,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_LNB: tl.constexpr, DROPOUT: tl.constexpr,
-    IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEED_FROM_PTR: tl.constexpr, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    seed = load_seed(seed, SEED_PTR, SEED_FROM_PTR)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -116,10 +123,12 @@ def _bda_norm_fwd_kernel(
 @triton.jit
 def _bda_norm_bwd_kernel(
     DY, SAVED, DZ_OUT, W, LNB, MEAN, RSTD, DX, DRES, DW_PART, DLNB_PART, DB_PART,
-    M, N, stride_dy, stride_s, stride_dzo, stride_dx, stride_dr, rows_per_program, seed, p, scale,
+    M, N, stride_dy, stride_s, stride_dzo, stride_dx, stride_dr, rows_per_program, seed, SEED_PTR, p, scale,
     HAS_LNB: tl.constexpr, HAS_DZ_OUT: tl.constexpr, STORE_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DROPOUT: tl.constexpr, IS_RMS: tl.constexpr, FROM_OUTPUT: tl.constexpr, BLOCK_N: tl.constexpr,
+    DROPOUT: tl.constexpr, SEED_FROM_PTR: tl.constexpr, IS_RMS: tl.constexpr, FROM_OUTPUT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
+    seed = load_seed(seed, SEED_PTR, SEED_FROM_PTR)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -187,9 +196,10 @@ def _max_programs(device: torch.device) -> int:
 
 
 def bias_dropout_add_fwd(
-    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, p: float, seed: int,
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, p: float, seed: int | torch.Tensor,
 ) -> torch.Tensor:
-    """x, residual: [M, N] with unit last stride; p == 0 means no dropout. Returns out in x's dtype."""
+    """x, residual: [M, N] with unit last stride; p == 0 means no dropout; seed: an int or a 0-dim
+    int64 tensor on x's device. Returns out in x's dtype."""
     m, n = x.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -197,15 +207,15 @@ def bias_dropout_add_fwd(
     block_m, block_n, num_warps = _tiles(n)
     _bda_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x, bias if bias is not None else x, residual if residual is not None else x, out,
-        m, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), seed, p, _scale(p),
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None, DROPOUT=p > 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        m, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), *seed_args(seed, out)[:2],
+        p, _scale(p), HAS_BIAS=bias is not None, HAS_RES=residual is not None, DROPOUT=p > 0,
+        SEED_FROM_PTR=seed_args(seed, out)[2], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return out
 
 
 def dropout_bwd(
-    dout: torch.Tensor, p: float, seed: int, want_dbias: bool, dx_dtype: torch.dtype,
+    dout: torch.Tensor, p: float, seed: int | torch.Tensor, want_dbias: bool, dx_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dout: [M, N]. Returns (dx = where(keep, dout * scale, 0) in dx_dtype, fp32 column sums of dx or None)."""
     m, n = dout.shape
@@ -220,8 +230,8 @@ def dropout_bwd(
     db_part = torch.empty((programs, n), dtype=torch.float32, device=dout.device) if want_dbias else None
     _bda_bwd_kernel[(programs, col_blocks)](
         dout, dx, db_part if db_part is not None else dx, m, n, dout.stride(0), dx.stride(0), rows_per_program,
-        seed, p, _scale(p), HAS_BIAS=want_dbias, DROPOUT=p > 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        *seed_args(seed, dx)[:2], p, _scale(p), HAS_BIAS=want_dbias, DROPOUT=p > 0,
+        SEED_FROM_PTR=seed_args(seed, dx)[2], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return dx, (db_part.sum(0) if db_part is not None else None)
 
@@ -232,7 +242,7 @@ def _norm_warps(block_n: int) -> int:
 
 def bias_dropout_add_norm_fwd(
     x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, weight: torch.Tensor,
-    ln_bias: torch.Tensor | None, eps: float, p: float, seed: int, rms: bool,
+    ln_bias: torch.Tensor | None, eps: float, p: float, seed: int | torch.Tensor, rms: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, residual: [M, N] with unit last stride. Returns (y, z, mean, rstd); stats fp32 [M]."""
     m, n = x.shape
@@ -247,17 +257,17 @@ def bias_dropout_add_norm_fwd(
         x, bias if bias is not None else x, residual if residual is not None else x, weight,
         ln_bias if ln_bias is not None else weight, y, z, mean, rstd,
         n, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), z.stride(0),
-        eps, seed, p, _scale(p),
+        eps, *seed_args(seed, rstd)[:2], p, _scale(p),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_LNB=ln_bias is not None, DROPOUT=p > 0,
-        IS_RMS=rms, BLOCK_N=block_n, num_warps=_norm_warps(block_n),
+        SEED_FROM_PTR=seed_args(seed, rstd)[2], IS_RMS=rms, BLOCK_N=block_n, num_warps=_norm_warps(block_n),
     )
     return y, z, mean, rstd
 
 
 def bias_dropout_add_norm_bwd(
     dy: torch.Tensor, saved: torch.Tensor, dz_out: torch.Tensor | None, weight: torch.Tensor,
-    ln_bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, p: float, seed: int, rms: bool,
-    from_output: bool, want_dbias: bool, want_dres: bool,
+    ln_bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, p: float, seed: int | torch.Tensor,
+    rms: bool, from_output: bool, want_dbias: bool, want_dres: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """dy, saved (z, or y when from_output), dz_out: [M, N].
 
@@ -283,9 +293,9 @@ def bias_dropout_add_norm_bwd(
         mean, rstd, dx, dres if dres is not None else dx, dw_part,
         dlnb_part if dlnb_part is not None else dw_part, db_part if db_part is not None else dw_part,
         m, n, dy.stride(0), saved.stride(0), dz_out.stride(0) if dz_out is not None else 0, dx.stride(0),
-        dres.stride(0) if dres is not None else 0, rows_per_program, seed, p, _scale(p),
+        dres.stride(0) if dres is not None else 0, rows_per_program, *seed_args(seed, rstd)[:2], p, _scale(p),
         HAS_LNB=ln_bias is not None, HAS_DZ_OUT=dz_out is not None, STORE_DRES=store_dres, HAS_BIAS=want_dbias,
-        DROPOUT=p > 0, IS_RMS=rms, FROM_OUTPUT=from_output, BLOCK_N=block_n, num_warps=_norm_warps(block_n),
+        DROPOUT=p > 0, SEED_FROM_PTR=seed_args(seed, rstd)[2], IS_RMS=rms, FROM_OUTPUT=from_output, BLOCK_N=block_n, num_warps=_norm_warps(block_n),
     )
     dw = dw_part.sum(0).to(weight.dtype)
     dlnb = dlnb_part.sum(0).to(ln_bias.dtype) if dlnb_part is not None else None

@@ -6,8 +6,12 @@ where offset is the element's flat index in the tensor being dropped. The Triton
 so the PyTorch path and the Triton path of an op drop exactly the same elements.
 
     keep = rand(seed, offsets) > p          # the convention every kernel uses
+
+The seed is a Python int or a 0-dim int64 tensor on the data's device (see :mod:`.seed`); the
+same value gives the same numbers either way.
 """
 
 from tachyon.kernels.random.reference import dropout_keep_mask, philox_randint, rand
+from tachyon.kernels.random.seed import check_seed
 
-__all__ = ["dropout_keep_mask", "philox_randint", "rand"]
+__all__ = ["check_seed", "dropout_keep_mask", "philox_randint", "rand"]

@@ -2,6 +2,10 @@
 
 All values are held in int64 tensors as unsigned 32-bit numbers; a 32x32-bit product is formed in
 int64 with two's-complement wrap-around, whose bit pattern is the exact 64-bit product.
+
+The seed is a Python int or a 0-dim int64 tensor (on the offsets' device) holding the same value:
+both give the same numbers, and a tensor seed is never read on the host (no device sync), so a
+seed computed on the GPU, or traced by torch.compile as a graph input, works unchanged.
 """
 
 from __future__ import annotations
@@ -14,11 +18,23 @@ _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _UNIFORM_SCALE = 4.6566127342e-10  # the largest scale with (2**31 - 1) * scale < 1 in fp32
 
 
-def philox_randint(seed: int, offsets: torch.Tensor, n_rounds: int = 10) -> torch.Tensor:
-    """The first output of Philox(counter=(offset lo, offset hi, 0, 0), key=(seed lo, seed hi)),
-    as uint32 values in an int64 tensor. Equal to ``tl.randint(seed, offsets)``."""
+def _key(seed: int | torch.Tensor) -> tuple[int | torch.Tensor, int | torch.Tensor]:
+    """(low, high) 32-bit halves of the 64-bit seed, as ints or 0-dim int64 tensors."""
+    if isinstance(seed, torch.Tensor):
+        s = seed.to(torch.int64)
+        # arithmetic shift then mask = the logical shift of the seed's 64-bit pattern
+        return s & _MASK32, (s >> 32) & _MASK32
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    return seed & _MASK32, (seed >> 32) & _MASK32
+
+
+def philox_randint(seed: int | torch.Tensor, offsets: torch.Tensor, n_rounds: int = 10) -> torch.Tensor:
+    """The first output of Philox(counter=(offset lo, offset hi, 0, 0), key=(seed lo, seed hi)),
+    as uint32 values in an int64 tensor. Equal to ``tl.randint(seed, offsets)``.
+
+    seed: a Python int or a 0-dim integer tensor on the offsets' device (its 64-bit pattern is
+    the key; not read on the host)."""
+    k0, k1 = _key(seed)
     off = offsets.to(torch.int64)
     c0 = off & _MASK32
     c1 = (off >> 32) & _MASK32
@@ -36,7 +52,7 @@ def philox_randint(seed: int, offsets: torch.Tensor, n_rounds: int = 10) -> torc
     return c0
 
 
-def rand(seed: int, offsets: torch.Tensor, n_rounds: int = 10) -> torch.Tensor:
+def rand(seed: int | torch.Tensor, offsets: torch.Tensor, n_rounds: int = 10) -> torch.Tensor:
     """Uniform [0, 1) float32, equal bit for bit to ``tl.rand(seed, offsets)``."""
     x = philox_randint(seed, offsets, n_rounds)
     x = torch.where(x >= 2**31, x - 2**32, x)  # reinterpret as int32
@@ -44,7 +60,7 @@ def rand(seed: int, offsets: torch.Tensor, n_rounds: int = 10) -> torch.Tensor:
     return x.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
 
 
-def dropout_keep_mask(seed: int, shape: tuple[int, ...], p: float, device: torch.device | str = "cpu",
+def dropout_keep_mask(seed: int | torch.Tensor, shape: tuple[int, ...], p: float, device: torch.device | str = "cpu",
                       offset: int = 0) -> torch.Tensor:
     """Boolean keep-mask of ``shape``: element i (flat index) is kept when rand(seed, offset + i) > p."""
     n = 1

@@ -1,4 +1,9 @@
-"""A Triton kernel that writes tl.rand(seed, offset) for a range of offsets (tests and debugging)."""
+"""A Triton kernel that writes tl.rand(seed, offset) for a range of offsets (tests and debugging).
+
+The seed is a scalar kernel argument (a Python int) or loaded from memory (a 0-dim int64 tensor):
+:func:`load_seed` is the helper every dropout kernel uses, so both forms reach ``tl.rand`` as the
+same 64-bit key.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,33 @@ import triton.language as tl
 
 
 @triton.jit
-def _rand_kernel(OUT, seed, offset0, n, BLOCK: tl.constexpr):
+def load_seed(seed, SEED_PTR, SEED_FROM_PTR: tl.constexpr):
+    """The Philox seed: the scalar ``seed``, or the int64 at ``SEED_PTR`` when SEED_FROM_PTR."""
+    if SEED_FROM_PTR:
+        seed = tl.load(SEED_PTR)
+    return seed
+
+
+def seed_args(seed: int | torch.Tensor, dummy: torch.Tensor) -> tuple[int, torch.Tensor, bool]:
+    """(scalar seed, seed pointer, SEED_FROM_PTR) for a launch: an int travels as the scalar (the
+    pointer is ``dummy``, never read), a 0-dim int64 tensor as the pointer (the scalar is 0)."""
+    if isinstance(seed, torch.Tensor):
+        return 0, seed, True
+    return int(seed), dummy, False
+
+
+@triton.jit
+def _rand_kernel(OUT, seed, SEED_PTR, offset0, n, SEED_FROM_PTR: tl.constexpr, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
+    seed = load_seed(seed, SEED_PTR, SEED_FROM_PTR)
     tl.store(OUT + idx, tl.rand(seed, offset0 + idx), mask=mask)
 
 
-def rand(seed: int, n: int, offset: int = 0, device: str | torch.device = "cpu") -> torch.Tensor:
+def rand(seed: int | torch.Tensor, n: int, offset: int = 0, device: str | torch.device = "cpu") -> torch.Tensor:
+    """fp32 [n]: tl.rand(seed, offset + i). seed: an int, or a 0-dim int64 tensor on ``device``."""
     out = torch.empty(n, dtype=torch.float32, device=device)
     block = 1024
-    _rand_kernel[(triton.cdiv(n, block),)](out, seed, offset, n, BLOCK=block)
+    s, ptr, from_ptr = seed_args(seed, out)
+    _rand_kernel[(triton.cdiv(n, block),)](out, s, ptr, offset, n, SEED_FROM_PTR=from_ptr, BLOCK=block)
     return out

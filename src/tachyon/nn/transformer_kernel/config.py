@@ -44,9 +44,13 @@ class TransformerKernelConfig:
     QKV projection output and the attention output, recomputing them from the layer input in
     backward).
 
-    ``stochastic_mode``: DeepSpeed's speed-for-reproducibility trade (it lets GPU kernels reduce
-    with unordered atomics). Every tachyon kernel this layer uses is deterministic, so the flag
-    is accepted and recorded but changes nothing today, on CPU or GPU; runs stay bit-reproducible.
+    ``stochastic_mode``: DeepSpeed's speed-for-reproducibility trade. True makes the attention
+    backward on the Triton backend use its non-deterministic variant (``attention(...,
+    deterministic=False)``): the dK/dV kernel also accumulates dQ with fp32 atomics, so the
+    probabilities are recomputed once instead of twice. On a GPU the order of those additions
+    varies, so dQ (and every gradient upstream of it) can differ in the last bits run to run;
+    the forward outputs, the dropout masks and dK/dV stay deterministic. The torch backend (CPU)
+    ignores it: runs there are bit-reproducible either way.
 
     ``return_tuple``: forward returns ``(out,)`` instead of ``out``. ``adjust_init_range``: the
     attention-output and FFN-output weights use ``initializer_range / sqrt(2 * num_hidden_layers)``.

@@ -28,6 +28,12 @@ output) of every training forward gets its own Philox seed, a hash of (the layer
 each training forward, except a forward run during backward (an activation-checkpointing
 recompute reuses the masks of the last forward). Seed and counter are in the state_dict
 (``_extra_state``), so restoring a checkpoint continues the same dropout streams.
+
+The counter and the (seed, layer_id) hash prefix live in int64 buffers on the layer's device
+(non-persistent: the state_dict keeps ``_extra_state``); the counter is advanced in place by a
+small custom op and the three seeds are computed from it with tensor ops, passed to the kernels
+as 0-dim tensors. Nothing is read on the host, and ``torch.compile(layer)`` compiles once: the
+seeds are values in the graph, not constants that change every step.
 """
 
 from __future__ import annotations
@@ -61,6 +67,23 @@ def _inside_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+@torch.library.custom_op("tachyon::advance_dropout_counter", mutates_args=("calls",))
+def _advance_dropout_counter(calls: Tensor) -> None:
+    """calls += 1 (a 0-dim int64 tensor, in place), unless autograd is running a backward pass.
+
+    A custom op so that the check runs when the op runs: under torch.compile the compiled
+    forward calls it too, and a forward replayed during backward (an outer activation-checkpoint
+    recompute) leaves the counter, hence the seeds and masks, as the original forward had them.
+    """
+    if not _inside_backward():
+        calls.add_(1)
+
+
+@_advance_dropout_counter.register_fake
+def _(calls):
+    return None
+
+
 _mask_cache: list[Any] = []  # [mask tensor, its _version, batch, seq, bias]: the layers of one model share a mask
 
 
@@ -72,12 +95,16 @@ def key_padding_bias(mask: Tensor | None, batch: int, seq: int, device: torch.de
     [batch, 1, seq, seq] (eager: additive float; SDPA: bool, True = keep) whose rows are all equal,
     i.e. key padding masks (a mask that differs per query, such as a causal one, is refused). A
     batch dim of 1 broadcasts. Other shapes raise ValueError.
+
+    Eager calls cache the last result (the layers of one model share one mask); under
+    torch.compile the cache is skipped (dynamo would guard on it and recompile per new mask).
     """
     if mask is None:
         return None
     if not isinstance(mask, Tensor):
         raise ValueError(f"attention_mask must be a tensor or None; got {type(mask).__name__}")
-    if _mask_cache and _mask_cache[0] is mask and _mask_cache[1:4] == [mask._version, batch, seq]:
+    compiling = torch.compiler.is_compiling()
+    if not compiling and _mask_cache and _mask_cache[0] is mask and _mask_cache[1:4] == [mask._version, batch, seq]:
         return _mask_cache[4]
     shape = tuple(mask.shape)
     allowed = (f"allowed: [batch, seq] = {(batch, seq)} (bool or 0/1, 1 = keep), HF's extended mask "
@@ -97,7 +124,8 @@ def key_padding_bias(mask: Tensor | None, batch: int, seq: int, device: torch.de
     else:
         raise ValueError(f"attention_mask has shape {shape}; {allowed}")
     bias = bias.expand(batch, seq).contiguous()
-    _mask_cache[:] = [mask, mask._version, batch, seq, bias]
+    if not compiling:
+        _mask_cache[:] = [mask, mask._version, batch, seq, bias]
     return bias
 
 
@@ -143,8 +171,6 @@ class TransformerKernelLayer(nn.Module):
         if config.local_rank >= 0 and torch.cuda.is_available():
             torch.cuda.set_device(config.local_rank)
         self.backend = backend
-        self.dropout_seed = config.seed if config.seed >= 0 else int(torch.randint(0, 2**62, ()).item())
-        self.dropout_calls = 0
         self.hf_config = None  # the HF BertConfig of from_hf, used by to_hf
         h, i, dtype = config.hidden_size, config.intermediate_size, config.dtype
         w_shapes = [(h, h), (h, h), (h, h), (h, h), (h,), (i, h), (h, i), (h,)]
@@ -153,6 +179,10 @@ class TransformerKernelLayer(nn.Module):
         biases = _check_initial("initial_biases", initial_biases, b_shapes)
         given = (weights or []) + (biases or [])
         device = given[0].device if given else None
+        # dropout state on the layer's device: dropout_key(seed, layer_id) and the forward counter
+        self.register_buffer("_dropout_key", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("_dropout_calls", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        self.dropout_seed = config.seed if config.seed >= 0 else int(torch.randint(0, 2**62, ()).item())
         shapes = {"attn_qkvw": (3 * h, h), "attn_qkvb": (3 * h,), "attn_ow": (h, h), "attn_ob": (h,),
                   "attn_nw": (h,), "attn_nb": (h,), "inter_w": (i, h), "inter_b": (i,), "output_w": (h, i),
                   "output_b": (h,), "norm_w": (h,), "norm_b": (h,)}
@@ -168,6 +198,23 @@ class TransformerKernelLayer(nn.Module):
                 self.attn_qkvb.copy_(torch.cat([b.detach().to(dtype) for b in biases[:3]]))
                 for name, b in zip(("attn_ob", "attn_nb", "inter_b", "output_b", "norm_b"), biases[3:]):
                     getattr(self, name).copy_(b.detach())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in ("dropout_seed", "layer_id") and "_dropout_key" in self.__dict__.get("_buffers", {}) \
+                and "dropout_seed" in self.__dict__:
+            with torch.no_grad():
+                self._dropout_key.fill_(K.dropout_key(self.dropout_seed, self.layer_id))
+
+    @property
+    def dropout_calls(self) -> int:
+        """The forward counter (training forwards so far), read from its device buffer."""
+        return int(self._dropout_calls.item())
+
+    @dropout_calls.setter
+    def dropout_calls(self, value: int) -> None:
+        with torch.no_grad():
+            self._dropout_calls.fill_(int(value))
 
     def _take_layer_id(self) -> None:
         self.layer_id = TransformerKernelLayer.layer_id
@@ -200,7 +247,9 @@ class TransformerKernelLayer(nn.Module):
         return torch.tensor([self.dropout_seed, self.dropout_calls], dtype=torch.int64)
 
     def set_extra_state(self, state: Tensor) -> None:
-        self.dropout_seed, self.dropout_calls = (int(v) for v in state.tolist())
+        seed, calls = (int(v) for v in state.tolist())
+        self.dropout_seed = seed  # refreshes the key buffer
+        self.dropout_calls = calls
 
     def extra_repr(self) -> str:
         c = self.config
@@ -237,10 +286,9 @@ class TransformerKernelLayer(nn.Module):
         bias = key_padding_bias(attention_mask, batch, seq, x.device)
         active = self.config.training and self.training
         if active:
-            if not _inside_backward():
-                self.dropout_calls += 1
-            seeds = [K.dropout_seed(self.dropout_seed, self.layer_id, self.dropout_calls, site)
-                     for site in (_SITE_ATTN_PROBS, _SITE_ATTN_OUT, _SITE_FFN_OUT)]
+            _advance_dropout_counter(self._dropout_calls)
+            # 0-dim int64 tensors, indexed by _SITE_ATTN_PROBS, _SITE_ATTN_OUT, _SITE_FFN_OUT
+            seeds = K.dropout_seeds(self._dropout_key, self._dropout_calls)
             out = self._forward(x, bias, True, seeds)
         else:
             with torch.no_grad():
@@ -268,7 +316,7 @@ class TransformerKernelLayer(nn.Module):
         if not 1 <= seq <= c.max_seq_length:
             raise ValueError(f"hidden_states has sequence length {seq}; allowed: 1 to config.max_seq_length={c.max_seq_length}")
 
-    def _attention(self, x: Tensor, bias: Tensor | None, dropout_p: float, seed: int) -> Tensor:
+    def _attention(self, x: Tensor, bias: Tensor | None, dropout_p: float, seed: int | Tensor) -> Tensor:
         """[LN_in ->] QKV GEMM -> flash attention -> the context [batch, seq, hidden] (before Wo)."""
         c = self.config
         if c.pre_layer_norm:
@@ -277,10 +325,11 @@ class TransformerKernelLayer(nn.Module):
         batch, seq, hidden = x.shape
         qkv = F.linear(x, self.attn_qkvw, self.attn_qkvb).view(batch, seq, 3, c.heads, c.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [batch, heads, seq, head_dim]
-        ctx = K.attention(q, k, v, key_padding_bias=bias, dropout_p=dropout_p, seed=seed, backend=self.backend)
+        ctx = K.attention(q, k, v, key_padding_bias=bias, dropout_p=dropout_p, seed=seed,
+                          deterministic=not c.stochastic_mode, backend=self.backend)
         return ctx.transpose(1, 2).reshape(batch, seq, hidden)
 
-    def _forward(self, x: Tensor, bias: Tensor | None, active: bool, seeds: list[int]) -> Tensor:
+    def _forward(self, x: Tensor, bias: Tensor | None, active: bool, seeds: list[int] | list[Tensor]) -> Tensor:
         c = self.config
         p_attn = c.attn_dropout_ratio if active else 0.0
         p_hidden = c.hidden_dropout_ratio if active else 0.0
@@ -288,19 +337,19 @@ class TransformerKernelLayer(nn.Module):
         if c.attn_dropout_checkpoint and active and torch.is_grad_enabled():
             # keep only the region's input (the layer input, saved anyway); QKV, q/k/v, the
             # attention output and logsumexp are recomputed in backward with the same seed
-            ctx = torch.utils.checkpoint.checkpoint(self._attention, x, bias, p_attn, seeds[0],
+            ctx = torch.utils.checkpoint.checkpoint(self._attention, x, bias, p_attn, seeds[_SITE_ATTN_PROBS],
                                                     use_reentrant=False, preserve_rng_state=False)
         else:
-            ctx = self._attention(x, bias, p_attn, seeds[0])
+            ctx = self._attention(x, bias, p_attn, seeds[_SITE_ATTN_PROBS])
         a = F.linear(ctx, self.attn_ow)
         y1, z1 = K.bias_dropout_add_layer_norm(a, self.attn_ob, x, self.attn_nw, self.attn_nb, eps, p_hidden,
-                                               seeds[1], training=active, invertible=inv, backend=be)
+                                               seeds[_SITE_ATTN_OUT], training=active, invertible=inv, backend=be)
         f = K.bias_act_linear(F.linear(y1, self.inter_w), self.inter_b, "gelu", self.output_w, None,
                               checkpoint_activation=c.gelu_checkpoint, backend=be)
         if c.pre_layer_norm:
-            return K.bias_dropout_add(f, self.output_b, z1, p_hidden, seeds[2], training=active, backend=be)
+            return K.bias_dropout_add(f, self.output_b, z1, p_hidden, seeds[_SITE_FFN_OUT], training=active, backend=be)
         out, _ = K.bias_dropout_add_layer_norm(f, self.output_b, y1, self.norm_w, self.norm_b, eps, p_hidden,
-                                               seeds[2], training=active, invertible=inv, backend=be)
+                                               seeds[_SITE_FFN_OUT], training=active, invertible=inv, backend=be)
         return out
 
     # --- Hugging Face interop (implemented in hf.py) -----------------------------------------
