@@ -250,6 +250,14 @@ class Engine(torch.nn.Module):
     def data_parallel_rank(self) -> int:
         return self.comm.rank
 
+    @property
+    def data_parallel_group(self):
+        """The data-parallel process group (DeepSpeed's attribute); None without torch.distributed.
+        Pass it as ``fp8_autocast(fp8_group=...)`` so every rank's FP8 scales stay identical."""
+        if not self.comm.enabled:
+            return None
+        return self.comm.group if self.comm.group is not None else torch.distributed.group.WORLD
+
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds: parameters, gradients, master_weights, optimizer_states, their
         sum model_states, and buckets (reduce bucket buffers, reported separately)."""
