@@ -124,15 +124,29 @@ def test_control_recomputing_in_the_autocast_with_the_updated_scales_is_not_the_
     assert not torch.equal(states[history], plain_states[history])
 
 
-def test_torch_checkpoint_without_the_context_fn_refuses_an_fp8_region():
-    """The reason for the context_fn: recomputed outside the autocast, the region saves high
-    precision tensors instead of FP8 ones and torch's checkpoint rejects them."""
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_torch_checkpoint_without_the_context_fn_refuses_an_fp8_region(reentrant):
+    """The reason for the context_fn: recomputed outside the autocast, the region would give
+    high-precision activations for an FP8 forward. The FP8 GEMM refuses, naming the fix (the
+    reentrant checkpoint takes no context_fn at all)."""
     mlp = tnn.LayerNormMLP(HIDDEN, FFN)
     x = torch.randn(16, HIDDEN, requires_grad=True)
     with fp8_autocast():
-        y = torch_checkpoint.checkpoint(mlp, x, use_reentrant=False)
-    with pytest.raises(torch_checkpoint.CheckpointError, match="different number of tensors"):
+        y = torch_checkpoint.checkpoint(mlp, x, use_reentrant=reentrant)
+    with pytest.raises(RuntimeError, match="fp8_checkpoint_context_fn"):
         y.sum().backward()
+
+
+def test_a_module_that_ran_fp8_still_runs_high_precision_forwards_and_backwards():
+    """The refusal above only concerns recomputation inside a backward: after FP8 steps, a
+    high-precision forward + backward of the same module is fine."""
+    mlp = tnn.LayerNormMLP(HIDDEN, FFN)
+    x = torch.randn(16, HIDDEN, requires_grad=True)
+    with fp8_autocast():
+        y = mlp(x)
+    y.sum().backward()
+    mlp(x).sum().backward()
+    assert x.grad is not None
 
 
 AUTOCASTS = {

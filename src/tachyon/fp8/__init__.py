@@ -72,7 +72,8 @@ fp8_autocast exited and updated the scales. ``tachyon.checkpointing.checkpoint``
 scales the forward used, no amax recorded twice, no second scale update (Transformer Engine's
 checkpoint does the same). With PyTorch's own checkpoint pass
 ``context_fn=tachyon.fp8.fp8_checkpoint_context_fn()`` (with ``use_reentrant=False``); without
-it, an FP8 region is recomputed in high precision and torch refuses the recomputed tensors.
+it (or with the reentrant checkpoint, which takes none) an FP8 GEMM recomputed outside the
+autocast raises a RuntimeError naming the fix.
 
 Hardware. On CUDA devices of compute capability >= 8.9 (Ada, Hopper, Blackwell) the GEMM is
 ``torch._scaled_mm`` on FP8 tensor cores. Elsewhere (older GPUs, CPU) it is emulated with the same

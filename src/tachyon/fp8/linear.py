@@ -58,6 +58,16 @@ _BACKWARD_INSIDE = (
 )
 
 
+_RECOMPUTE_OUTSIDE = (
+    "an FP8 GEMM that ran in FP8 is being recomputed during backward outside fp8_autocast, which "
+    "would give high-precision activations for an FP8 forward: an activation checkpoint that "
+    "cannot restore the autocast (torch.utils.checkpoint with use_reentrant=True, or with "
+    "use_reentrant=False but no context_fn). Use tachyon.checkpointing.checkpoint, or "
+    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False, "
+    "context_fn=tachyon.fp8.fp8_checkpoint_context_fn())"
+)
+
+
 class _FP8Linear(torch.autograd.Function):
     """x [M, K] @ weight[N, K].T (+ bias [N]) with FP8 numerics or amax recording (calibration)."""
 
@@ -189,7 +199,11 @@ def fp8_linear(
         raise ValueError(f"is_first_microbatch must be None, True or False; got {is_first_microbatch!r}")
     settings = current_settings()
     if settings is None or not settings.records:
+        if scaling.ran_fp8 and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(_RECOMPUTE_OUTSIDE)
         return F.linear(x, weight, bias)
+    if settings.fp8:
+        scaling.ran_fp8 = True
     k = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"fp8_linear: weight has shape {tuple(weight.shape)}; expected [out_features, {k}]")

@@ -131,6 +131,7 @@ class GemmScaling:
         self.weight = ScalingState(amax_history_len, device=device)
         self.grad_output = ScalingState(amax_history_len, backward=True, device=device)
         self.weight_cache: CachedWeight | None = None
+        self.ran_fp8 = False  # set by the first FP8 forward (to detect an FP8-less recompute)
 
     def cached_weight(self, weight: torch.Tensor, fp8_dtype: torch.dtype) -> CachedWeight:
         """The cached FP8 weight for ``weight`` [N, K]; ValueError when there is none that fits."""
