@@ -112,29 +112,31 @@ def _attention_math(q, k, v, causal, key_padding_bias, dropout_p, seed, softmax_
 
 def attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-    key_padding_bias: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
-    softmax_scale: float | None = None, backend: str | None = None,
+    key_padding_bias: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int | torch.Tensor | None = None,
+    softmax_scale: float | None = None, deterministic: bool = True, backend: str | None = None,
 ) -> torch.Tensor:
     """The oracle: materialized scores, softmax and both matmuls in fp32 (fp64 for fp64 inputs),
     output cast to q's dtype.
 
-    Same signature as :func:`tachyon.kernels.attention.attention` (``backend`` is accepted and
-    ignored: this is always plain PyTorch). Autograd differentiates it and saves what autograd
-    saves, the [batch, heads, seq_q, seq_k] probabilities included: use it for tests, not training.
+    Same signature as :func:`tachyon.kernels.attention.attention` (``deterministic`` and
+    ``backend`` are accepted and ignored: this is always plain, deterministic PyTorch). Autograd
+    differentiates it and saves what autograd saves, the [batch, heads, seq_q, seq_k]
+    probabilities included: use it for tests, not training.
     """
-    del backend
+    del backend, deterministic
     return _attention_math(q, k, v, causal, key_padding_bias, dropout_p, seed, softmax_scale, upcast=True)
 
 
 def attention_lowp_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-    key_padding_bias: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
-    softmax_scale: float | None = None, backend: str | None = None,
+    key_padding_bias: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int | torch.Tensor | None = None,
+    softmax_scale: float | None = None, deterministic: bool = True, backend: str | None = None,
 ) -> torch.Tensor:
     """Eager PyTorch attention in q's dtype: both matmuls in that dtype, softmax in fp32 and the
     probabilities rounded to the dtype before ``p @ v`` (what an eager fp16/bf16 model computes).
-    The baseline of the "2x the error of PyTorch" rule for low-precision kernels."""
-    del backend
+    The baseline of the "2x the error of PyTorch" rule for low-precision kernels. ``deterministic``
+    and ``backend`` are ignored."""
+    del backend, deterministic
     return _attention_math(q, k, v, causal, key_padding_bias, dropout_p, seed, softmax_scale, upcast=False)
 
 

@@ -6,8 +6,9 @@ For x: [..., N] viewed as [M, N] row-major, bias: [N] or None, residual: [..., N
     z       = residual + where(keep, (x + bias) / (1 - p), 0)     in fp32, stored in x's dtype
     y       = LayerNorm(z) * weight + ln_bias    (or RMSNorm)     from the stored (rounded) z
 
-With p == 0 or training=False there is no dropout and seed is not read. The mask is a function of
-(seed, index) only, so the backward regenerates it instead of storing it:
+With p == 0 or training=False there is no dropout and seed is not read. The seed is an int or a
+0-dim int64 tensor on x's device (same value, same mask). The mask is a function of (seed, index)
+only, so the backward regenerates it instead of storing it:
 
     dz = dout (+ the norm's backward)    dresidual = dz
     dx = where(keep, dz / (1 - p), 0)    dbias = sum over rows of dx (fp32, then bias's dtype)
@@ -30,11 +31,11 @@ def dropout_scale(p: float) -> float:
     return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
 
 
-def _keep(seed: int, x: torch.Tensor, p: float) -> torch.Tensor:
+def _keep(seed: int | torch.Tensor, x: torch.Tensor, p: float) -> torch.Tensor:
     return dropout_keep_mask(seed, tuple(x.shape), p, device=x.device)
 
 
-def _dropped(x: torch.Tensor, bias: torch.Tensor | None, p: float, seed: int | None) -> torch.Tensor:
+def _dropped(x: torch.Tensor, bias: torch.Tensor | None, p: float, seed: int | torch.Tensor | None) -> torch.Tensor:
     """fp32 dropout(x + bias); p == 0 means no dropout."""
     h = x.float()
     if bias is not None:
@@ -45,8 +46,8 @@ def _dropped(x: torch.Tensor, bias: torch.Tensor | None, p: float, seed: int | N
 
 
 def bias_dropout_add(
-    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, p: float, seed: int | None,
-    *, training: bool = True,
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, p: float,
+    seed: int | torch.Tensor | None, *, training: bool = True,
 ) -> torch.Tensor:
     """Autograd reference: residual + dropout(x + bias) in x's dtype."""
     h = _dropped(x, bias, p if training else 0.0, seed)
@@ -57,7 +58,8 @@ def bias_dropout_add(
 
 def bias_dropout_add_layer_norm(
     x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, weight: torch.Tensor,
-    ln_bias: torch.Tensor | None, eps: float, p: float, seed: int | None, *, training: bool = True, rms: bool = False,
+    ln_bias: torch.Tensor | None, eps: float, p: float, seed: int | torch.Tensor | None, *, training: bool = True,
+    rms: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Autograd reference: (y, z) with z = residual + dropout(x + bias), y = LayerNorm(z) (RMSNorm if rms)."""
     z = bias_dropout_add(x, bias, residual, p, seed, training=training)
@@ -66,7 +68,7 @@ def bias_dropout_add_layer_norm(
 
 
 def bias_dropout_add_forward(
-    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, p: float, seed: int,
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, p: float, seed: int | torch.Tensor,
 ) -> torch.Tensor:
     """Explicit forward of the CPU path (p already 0 when not training). x, residual: [M, N]."""
     with torch.no_grad():
@@ -74,7 +76,7 @@ def bias_dropout_add_forward(
 
 
 def bias_dropout_backward(
-    dz: torch.Tensor, p: float, seed: int, want_dbias: bool, dx_dtype: torch.dtype,
+    dz: torch.Tensor, p: float, seed: int | torch.Tensor, want_dbias: bool, dx_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dz: [M, N], the gradient of z (= of the residual). Returns (dx in dx_dtype, fp32 dbias or None)."""
     with torch.no_grad():
@@ -86,7 +88,7 @@ def bias_dropout_backward(
 
 def bias_dropout_add_norm_forward(
     x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, weight: torch.Tensor,
-    ln_bias: torch.Tensor | None, eps: float, p: float, seed: int, rms: bool,
+    ln_bias: torch.Tensor | None, eps: float, p: float, seed: int | torch.Tensor, rms: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Explicit forward of the CPU path. x, residual: [M, N]. Returns (y, z, mean, rstd), stats fp32 [M]."""
     with torch.no_grad():
@@ -97,7 +99,7 @@ def bias_dropout_add_norm_forward(
 
 def bias_dropout_add_norm_backward(
     dy: torch.Tensor, saved: torch.Tensor, dz_out: torch.Tensor | None, weight: torch.Tensor,
-    ln_bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, p: float, seed: int, rms: bool,
+    ln_bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, p: float, seed: int | torch.Tensor, rms: bool,
     from_output: bool, want_dbias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Explicit backward. ``saved`` is z, or y when ``from_output`` (the invertible form).

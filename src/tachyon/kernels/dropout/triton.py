@@ -205,11 +205,12 @@ def bias_dropout_add_fwd(
     if out.numel() == 0:
         return out
     block_m, block_n, num_warps = _tiles(n)
+    seed_int, seed_ptr, seed_from_ptr = seed_args(seed, out)
     _bda_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x, bias if bias is not None else x, residual if residual is not None else x, out,
-        m, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), *seed_args(seed, out)[:2],
+        m, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), seed_int, seed_ptr,
         p, _scale(p), HAS_BIAS=bias is not None, HAS_RES=residual is not None, DROPOUT=p > 0,
-        SEED_FROM_PTR=seed_args(seed, out)[2], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        SEED_FROM_PTR=seed_from_ptr, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return out
 
@@ -228,10 +229,11 @@ def dropout_bwd(
     rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
     programs = triton.cdiv(m, rows_per_program)
     db_part = torch.empty((programs, n), dtype=torch.float32, device=dout.device) if want_dbias else None
+    seed_int, seed_ptr, seed_from_ptr = seed_args(seed, dx)
     _bda_bwd_kernel[(programs, col_blocks)](
         dout, dx, db_part if db_part is not None else dx, m, n, dout.stride(0), dx.stride(0), rows_per_program,
-        *seed_args(seed, dx)[:2], p, _scale(p), HAS_BIAS=want_dbias, DROPOUT=p > 0,
-        SEED_FROM_PTR=seed_args(seed, dx)[2], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        seed_int, seed_ptr, p, _scale(p), HAS_BIAS=want_dbias, DROPOUT=p > 0,
+        SEED_FROM_PTR=seed_from_ptr, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return dx, (db_part.sum(0) if db_part is not None else None)
 
@@ -253,13 +255,14 @@ def bias_dropout_add_norm_fwd(
     if m == 0:
         return y, z, mean, rstd
     block_n = triton.next_power_of_2(n)
+    seed_int, seed_ptr, seed_from_ptr = seed_args(seed, rstd)
     _bda_norm_fwd_kernel[(m,)](
         x, bias if bias is not None else x, residual if residual is not None else x, weight,
         ln_bias if ln_bias is not None else weight, y, z, mean, rstd,
         n, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), z.stride(0),
-        eps, *seed_args(seed, rstd)[:2], p, _scale(p),
+        eps, seed_int, seed_ptr, p, _scale(p),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_LNB=ln_bias is not None, DROPOUT=p > 0,
-        SEED_FROM_PTR=seed_args(seed, rstd)[2], IS_RMS=rms, BLOCK_N=block_n, num_warps=_norm_warps(block_n),
+        SEED_FROM_PTR=seed_from_ptr, IS_RMS=rms, BLOCK_N=block_n, num_warps=_norm_warps(block_n),
     )
     return y, z, mean, rstd
 
@@ -288,14 +291,15 @@ def bias_dropout_add_norm_bwd(
     parts = lambda want: torch.zeros((programs, n), dtype=torch.float32, device=dy.device) if want else None  # noqa: E731
     dw_part, dlnb_part, db_part = parts(True), parts(ln_bias is not None), parts(want_dbias)
     block_n = triton.next_power_of_2(n)
+    seed_int, seed_ptr, seed_from_ptr = seed_args(seed, rstd)
     _bda_norm_bwd_kernel[(programs,)](
         dy, saved, dz_out if dz_out is not None else dy, weight, ln_bias if ln_bias is not None else weight,
         mean, rstd, dx, dres if dres is not None else dx, dw_part,
         dlnb_part if dlnb_part is not None else dw_part, db_part if db_part is not None else dw_part,
         m, n, dy.stride(0), saved.stride(0), dz_out.stride(0) if dz_out is not None else 0, dx.stride(0),
-        dres.stride(0) if dres is not None else 0, rows_per_program, *seed_args(seed, rstd)[:2], p, _scale(p),
+        dres.stride(0) if dres is not None else 0, rows_per_program, seed_int, seed_ptr, p, _scale(p),
         HAS_LNB=ln_bias is not None, HAS_DZ_OUT=dz_out is not None, STORE_DRES=store_dres, HAS_BIAS=want_dbias,
-        DROPOUT=p > 0, SEED_FROM_PTR=seed_args(seed, rstd)[2], IS_RMS=rms, FROM_OUTPUT=from_output, BLOCK_N=block_n, num_warps=_norm_warps(block_n),
+        DROPOUT=p > 0, SEED_FROM_PTR=seed_from_ptr, IS_RMS=rms, FROM_OUTPUT=from_output, BLOCK_N=block_n, num_warps=_norm_warps(block_n),
     )
     dw = dw_part.sum(0).to(weight.dtype)
     dlnb = dlnb_part.sum(0).to(ln_bias.dtype) if dlnb_part is not None else None
