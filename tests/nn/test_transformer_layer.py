@@ -406,3 +406,32 @@ def test_hf_key_padding():
     assert torch.equal(hf_key_padding(torch.tensor([[1, 1, 0]]), 3)[0, 0, 0], torch.tensor([0, 0, 1]).bool())
     with pytest.raises(ValueError, match="KV caches"):
         hf_key_padding(torch.ones(1, 7), 5)
+
+
+def test_torch_compile_with_dropout_compiles_once_and_matches_eager():
+    """Dropout seeds are drawn as device tensors (no .item(), no int guards): a compiled
+    TransformerLayer trains with dropout without graph breaks or recompiles, and with the same
+    torch.manual_seed it draws the same masks as eager (outputs and gradients bit-identical)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    layer = TransformerLayer(32, 64, 2, hidden_dropout=0.2, attention_dropout=0.2, attn_input_format="bshd",
+                                 backend="torch")
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+
+    def step(fn, i):
+        torch.manual_seed(100 + i)
+        x = torch.randn(2, 16, 32, requires_grad=True)
+        out = fn(x)
+        out.backward(torch.ones_like(out))
+        return out.detach(), x.grad
+
+    want = [step(layer, i) for i in range(3)]
+    got = [step(compiled, 0)]
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got += [step(compiled, i) for i in (1, 2)]
+    assert counters["stats"]["unique_graphs"] == graphs
+    for i, ((out, dx), (want_out, want_dx)) in enumerate(zip(got, want)):
+        assert torch.equal(out, want_out) and torch.equal(dx, want_dx), f"step {i}"
+    assert not torch.equal(want[0][0], step(layer.eval(), 0)[0]), "dropout never engaged"

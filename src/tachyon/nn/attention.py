@@ -23,9 +23,9 @@ Mask types (``attn_mask_type``, TE's names):
 ``attention_mask`` must be None for "causal" and "no_mask" (a ValueError rather than a mask that
 is silently ignored).
 
-Dropout on the attention probabilities draws a fresh Philox seed per call from torch's default
-CPU generator (``torch.randint``), so ``torch.manual_seed`` reproduces a run exactly; the mask is
-regenerated in backward, never stored.
+Dropout on the attention probabilities draws a fresh Philox seed per call (a 0-dim tensor from the
+data device's default generator, ``torch.randint``), so ``torch.manual_seed`` reproduces a run
+exactly; the mask is regenerated in backward, never stored.
 """
 
 from __future__ import annotations
@@ -51,9 +51,11 @@ def te_default_init(weight: Tensor) -> None:
     nn.init.normal_(weight, mean=0.0, std=0.023)
 
 
-def draw_seed() -> int:
-    """A Philox seed for one dropout call, from torch's default generator (torch.manual_seed)."""
-    return int(torch.randint(0, 2**62, (1,)).item())
+def draw_seed(device: torch.device | str) -> Tensor:
+    """A Philox seed for one dropout call: a 0-dim int64 tensor on ``device``, drawn from that
+    device's default generator (so torch.manual_seed reproduces it). It stays on the device: no
+    host synchronization, and torch.compile traces it without a graph break or a recompile."""
+    return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
 
 
 def _positive_int(module: str, name: str, value: object) -> int:
@@ -188,7 +190,7 @@ class DotProductAttention(nn.Module):
         p = self.attention_dropout if self.training else 0.0
         out = attention(
             q, k, v, causal=mask_type in ("causal", "padding_causal"), key_padding_bias=bias, dropout_p=p,
-            seed=draw_seed() if p > 0 else None, softmax_scale=self.softmax_scale, backend=self.backend,
+            seed=draw_seed(q.device) if p > 0 else None, softmax_scale=self.softmax_scale, backend=self.backend,
         )
         if q_masked is not None:
             out = out.masked_fill(q_masked[:, None, :, None], 0.0)

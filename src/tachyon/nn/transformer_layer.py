@@ -23,8 +23,9 @@ Structure (pre-LN, the default; TE's order of operations):
 - ``layer_type="decoder"`` (T5-style) adds a cross-attention block after self-attention:
   i, i_bias = inter_attention(h, encoder_output); h = h + dropout(i + i_bias) (residual from its
   norm's output with apply_residual_connection_post_layernorm), before the MLP.
-- Dropout seeds (attention, the hidden dropouts) are drawn per call from torch's default
-  generator, so torch.manual_seed reproduces runs; masks are regenerated in backward.
+- Dropout seeds (attention, the hidden dropouts) are drawn per call as 0-dim tensors from the
+  data device's default generator, so torch.manual_seed reproduces runs and torch.compile traces
+  them (no graph break, no recompile); masks are regenerated in backward.
 - The GEMMs are LayerNormLinear / Linear / LayerNormMLP, so ``tachyon.fp8_autocast`` runs them in FP8.
 
 HF interop: :meth:`TransformerLayer.from_hf` copies an HF ``GPT2Block`` or ``LlamaDecoderLayer``
@@ -179,7 +180,7 @@ class TransformerLayer(nn.Module):
 
     def _bda(self, x: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
         p = self.hidden_dropout if self.training else 0.0
-        return bias_dropout_add(x, bias, residual, p, draw_seed() if p > 0 else None, training=self.training,
+        return bias_dropout_add(x, bias, residual, p, draw_seed(x.device) if p > 0 else None, training=self.training,
                                 backend=self.backend)
 
     def _bda_norm(self, x: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
@@ -189,7 +190,7 @@ class TransformerLayer(nn.Module):
         ln_bias = getattr(self.layernorm, "bias", None)
         y, _ = bias_dropout_add_layer_norm(
             x, bias, residual, weight, ln_bias.to(x.dtype) if ln_bias is not None else None, self.layernorm_epsilon, p,
-            draw_seed() if p > 0 else None, training=self.training, rms=self.normalization == "RMSNorm",
+            draw_seed(x.device) if p > 0 else None, training=self.training, rms=self.normalization == "RMSNorm",
             backend=self.backend,
         )
         return y
