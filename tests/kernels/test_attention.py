@@ -207,6 +207,10 @@ def test_triton_atomic_dq_backward_matches_oracle(case):
             assert torch.equal(g, d), f"{name} must not depend on deterministic"
 
 
+# the interpreter warns (numpy) about exp2 overflowing at key columns past seq_k, which the
+# kernels zero or never store: the point of this test is that the result stays finite
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 def test_triton_atomic_dq_backward_with_very_negative_scores():
     """Every score near -200: exp(score - lse) is fine for real keys but overflows for the padding
     columns past seq_k of the last key block (score 0 there); the atomic dQ must mask them out
