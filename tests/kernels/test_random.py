@@ -86,16 +86,18 @@ for int_type in ("i32", "i64"):
                  dict(SEED_FROM_PTR=False, BLOCK=1024), num_warps=4)
 compile_sm90(tri._rand_kernel, {"OUT": "*fp32", "SEED_PTR": "*i64", "offset0": "i64"},
              dict(SEED_FROM_PTR=True, BLOCK=1024), num_warps=4)
+compile_sm90(tri._chained_seeds_kernel, {"KEY": "*i64", "CALLS": "*i64", "OUT": "*i64"},
+             dict(ADVANCE=True, N=3, BLOCK=4), num_warps=1)
 """
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter never runs Triton's compiler: build the Philox kernel (TTIR -> PTX -> cubin
     with the bundled ptxas) for compute capability 9.0 with 32- and 64-bit seeds and offsets, and
-    with the seed loaded from a tensor."""
+    with the seed loaded from a tensor; and the chained-seeds kernel of the BERT layer."""
     from tests.utils.aot import compile_in_subprocess
 
-    compile_in_subprocess(_AOT_SCRIPT, expected=3)
+    compile_in_subprocess(_AOT_SCRIPT, expected=4)
 
 
 _AOT_BROKEN_SCRIPT = """

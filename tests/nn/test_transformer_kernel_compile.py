@@ -75,6 +75,28 @@ def test_tensor_seeds_equal_the_python_seed_chain():
     assert bool((seeds >= 0).all()), "seeds must lie in [0, 2**63)"
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_next_dropout_seeds_advances_the_counter_and_gives_the_chain(backend):
+    """The per-forward op: counter + 1 and the three chained seeds (one Triton launch on GPUs, here
+    under the interpreter); inside a backward pass (a recompute) the counter stays."""
+    for seed, layer_id, call in [(0, 0, 0), (2**63 - 1, 7, 12345), (2**62 + 11, 3, 2**40), (5, 2**31, 2**63 - 2)]:
+        key, calls = torch.tensor(_kernels.dropout_key(seed, layer_id)), torch.tensor(call)
+        seeds = _kernels.next_dropout_seeds(key, calls, backend=backend)
+        assert int(calls) == call + 1
+        assert seeds.tolist() == [_kernels.dropout_seed(seed, layer_id, call + 1, site) for site in range(3)]
+    key, calls = torch.tensor(_kernels.dropout_key(1, 2)), torch.tensor(10)
+    seen = []
+
+    def hook(grad):
+        seen.append(_kernels.next_dropout_seeds(key, calls, backend=backend).tolist())
+        return grad
+
+    x = torch.ones(2, requires_grad=True)
+    x.register_hook(hook)
+    (x * 2).sum().backward()
+    assert int(calls) == 10 and seen == [[_kernels.dropout_seed(1, 2, 10, site) for site in range(3)]]
+
+
 def test_layer_uses_the_documented_seeds_and_keeps_its_state_on_device(monkeypatch):
     import copy
 

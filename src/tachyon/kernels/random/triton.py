@@ -43,3 +43,33 @@ def rand(seed: int | torch.Tensor, n: int, offset: int = 0, device: str | torch.
     s, ptr, from_ptr = seed_args(seed, out)
     _rand_kernel[(triton.cdiv(n, block),)](out, s, ptr, offset, n, SEED_FROM_PTR=from_ptr, BLOCK=block)
     return out
+
+
+@triton.jit
+def _splitmix64(x):
+    """splitmix64 of uint64 values (wrapping arithmetic; shifts on uint64 are logical)."""
+    x = x + 0x9E3779B97F4A7C15
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _chained_seeds_kernel(KEY, CALLS, OUT, ADVANCE: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
+    calls = tl.load(CALLS)
+    if ADVANCE:
+        calls = calls + 1
+        tl.store(CALLS, calls)
+    h = _splitmix64(tl.load(KEY).to(tl.uint64, bitcast=True) ^ calls.to(tl.uint64, bitcast=True))
+    sites = tl.arange(0, BLOCK)
+    seeds = _splitmix64(h ^ sites.to(tl.uint64)) & 0x7FFFFFFFFFFFFFFF
+    tl.store(OUT + sites, seeds.to(tl.int64, bitcast=True), mask=sites < N)
+
+
+def chained_seeds(key: torch.Tensor, calls: torch.Tensor, n: int, advance: bool) -> torch.Tensor:
+    """One launch: ``calls += 1`` when ``advance``, then int64 [n] seeds
+    splitmix64(splitmix64(key ^ calls) ^ site) & (2**63 - 1) for site = 0 .. n-1.
+    key, calls: 0-dim int64 on one device (calls updated in place)."""
+    out = torch.empty(n, dtype=torch.int64, device=key.device)
+    _chained_seeds_kernel[(1,)](key, calls, out, ADVANCE=advance, N=n, BLOCK=max(triton.next_power_of_2(n), 2))
+    return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from tachyon.backend import resolve
 from tachyon.kernels.activation import bias_act_linear
 from tachyon.kernels.attention import attention, padding_bias_from_mask
 from tachyon.kernels.dropout import bias_dropout_add, bias_dropout_add_layer_norm
@@ -79,7 +80,40 @@ def dropout_seeds(key: torch.Tensor, call: torch.Tensor) -> list[torch.Tensor]:
     return list((splitmix64_tensor(h ^ sites) & _M63).unbind(0))
 
 
+def inside_backward() -> bool:
+    """True while autograd's engine runs a backward pass (an activation-checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@torch.library.custom_op("tachyon::next_dropout_seeds", mutates_args=("calls",))
+def _next_dropout_seeds(key: torch.Tensor, calls: torch.Tensor, backend: str) -> torch.Tensor:
+    advance = not inside_backward()
+    if backend == "triton":
+        from tachyon.kernels.random.triton import chained_seeds
+
+        return chained_seeds(key, calls, NUM_SITES, advance)
+    if advance:
+        calls.add_(1)
+    return torch.stack(dropout_seeds(key, calls))
+
+
+@_next_dropout_seeds.register_fake
+def _(key, calls, backend):
+    return key.new_empty(NUM_SITES)
+
+
+def next_dropout_seeds(key: torch.Tensor, calls: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """A layer's forward: ``calls += 1`` (in place, except while autograd runs a backward pass, so
+    an activation-checkpoint recompute reuses the forward's seeds), then the int64 [3] seeds
+    ``dropout_seeds(key, calls)`` of its three dropout sites. key, calls: 0-dim int64 on one device.
+
+    One custom op, so the check runs when the op runs (also inside a compiled graph); on CUDA one
+    Triton launch (kernels/random/triton.py ``chained_seeds``) instead of ~25 tiny tensor ops."""
+    return _next_dropout_seeds(key, calls, resolve(key, backend))
+
+
 __all__ = [
     "attention", "bias_act_linear", "bias_dropout_add", "bias_dropout_add_layer_norm",
-    "dropout_key", "dropout_seed", "dropout_seeds", "layer_norm", "padding_bias_from_mask", "splitmix64_tensor",
+    "dropout_key", "dropout_seed", "dropout_seeds", "inside_backward", "layer_norm", "next_dropout_seeds",
+    "padding_bias_from_mask", "splitmix64_tensor",
 ]

@@ -62,28 +62,6 @@ _PARAM_NAMES = ("attn_qkvw", "attn_qkvb", "attn_ow", "attn_ob", "attn_nw", "attn
                 "inter_w", "inter_b", "output_w", "output_b", "norm_w", "norm_b")
 
 
-def _inside_backward() -> bool:
-    """True while autograd's engine runs a backward pass (an activation-checkpoint recompute)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-@torch.library.custom_op("tachyon::advance_dropout_counter", mutates_args=("calls",))
-def _advance_dropout_counter(calls: Tensor) -> None:
-    """calls += 1 (a 0-dim int64 tensor, in place), unless autograd is running a backward pass.
-
-    A custom op so that the check runs when the op runs: under torch.compile the compiled
-    forward calls it too, and a forward replayed during backward (an outer activation-checkpoint
-    recompute) leaves the counter, hence the seeds and masks, as the original forward had them.
-    """
-    if not _inside_backward():
-        calls.add_(1)
-
-
-@_advance_dropout_counter.register_fake
-def _(calls):
-    return None
-
-
 _mask_cache: list[Any] = []  # [mask tensor, its _version, batch, seq, bias]: the layers of one model share a mask
 
 
@@ -286,9 +264,9 @@ class TransformerKernelLayer(nn.Module):
         bias = key_padding_bias(attention_mask, batch, seq, x.device)
         active = self.config.training and self.training
         if active:
-            _advance_dropout_counter(self._dropout_calls)
-            # 0-dim int64 tensors, indexed by _SITE_ATTN_PROBS, _SITE_ATTN_OUT, _SITE_FFN_OUT
-            seeds = K.dropout_seeds(self._dropout_key, self._dropout_calls)
+            # advance the counter (not in a recompute during backward) and derive the three seeds,
+            # 0-dim int64 tensors indexed by _SITE_ATTN_PROBS, _SITE_ATTN_OUT, _SITE_FFN_OUT
+            seeds = K.next_dropout_seeds(self._dropout_key, self._dropout_calls, backend=self.backend).unbind(0)
             out = self._forward(x, bias, True, seeds)
         else:
             with torch.no_grad():
