@@ -20,8 +20,9 @@ BF16: plain PyTorch 48.3 ms, TE TransformerLayer 35.7 ms, TE + FP8 21.7 ms), sca
 run's batch by batch / 8 (every op of the layer is linear in the batch size, so equal work at
 batch 4 is half the batch-8 time). They are published reference numbers, not measured here.
 
-Needs a CUDA GPU. Usage: python benchmarks/bench_te_layer.py [--quick]   (--quick: hidden 1024,
-ffn 4096, 16 heads, seq 512, batch 4)
+Needs a CUDA GPU. Usage: python benchmarks/bench_te_layer.py [--quick | --smoke]   (--quick:
+hidden 1024, ffn 4096, 16 heads, seq 512, batch 4; --smoke: every variant's code path on CPU at
+a toy shape, a check that the script works, not a measurement; torch.compile with aot_eager)
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from benchmarks.common import bench, measure_matmul_peak, output_dir, peak_memor
 
 FULL = {"hidden": 4096, "ffn": 16384, "heads": 32, "seq": 2048, "batch": 4}
 QUICK = {"hidden": 1024, "ffn": 4096, "heads": 16, "seq": 512, "batch": 4}
+SMOKE = {"hidden": 64, "ffn": 128, "heads": 4, "seq": 16, "batch": 2}
 DROPOUT = 0.1
 # Transformer Engine getting-started tutorial on H100, batch 8, BF16 (BENCHMARKS.md), in ms
 TE_PUBLISHED = {"plain PyTorch": 48.3, "TE TransformerLayer": 35.7, "TE TransformerLayer + FP8": 21.7}
@@ -139,7 +141,9 @@ def build_variants(shape: dict, dtype: torch.dtype, device: str) -> dict[str, Ca
     }
     if dtype == torch.bfloat16:
         variants["TransformerLayer+FP8"] = make(te_layer, fp8_ctx)
-    variants["torch.compile"] = make(lambda: torch.compile(BasicTransformerLayer(h, f, heads)))
+    # on CPU (the smoke run) the inductor backend would need a C++ compiler
+    compile_kwargs = {} if device == "cuda" else {"backend": "aot_eager"}
+    variants["torch.compile"] = make(lambda: torch.compile(BasicTransformerLayer(h, f, heads), **compile_kwargs))
     return variants
 
 
@@ -149,7 +153,7 @@ def layer_flops(shape: dict) -> float:
     return 2.0 * s * b * h * (4 * h + 2 * f) + 2.0 * b * s * s * h
 
 
-def time_variant(module: nn.Module, ctx, x: torch.Tensor, dy: torch.Tensor, mode: str):
+def time_variant(module: nn.Module, ctx, x: torch.Tensor, dy: torch.Tensor, mode: str, reps: dict | None = None):
     """(fn to time, Timing): mode "fwd" (training forward) or "fwd+bwd"."""
     def fwd():
         with ctx():
@@ -162,10 +166,10 @@ def time_variant(module: nn.Module, ctx, x: torch.Tensor, dy: torch.Tensor, mode
     fn = fwd if mode == "fwd" else fwd_bwd
     for _ in range(3):  # compile, autotune, FP8 amax history
         fn()
-    return fn, bench(fn)
+    return fn, bench(fn, **(reps or {}))
 
 
-def run(shape: dict, dtypes, device: str = "cuda", bf16_peak: float | None = None) -> list[dict]:
+def run(shape: dict, dtypes, device: str = "cuda", bf16_peak: float | None = None, reps: dict | None = None) -> list[dict]:
     rows = []
     fwd_flops = layer_flops(shape)
     for dtype in dtypes:
@@ -175,7 +179,7 @@ def run(shape: dict, dtypes, device: str = "cuda", bf16_peak: float | None = Non
         for name, build in build_variants(shape, dtype, device).items():
             module, ctx = build()
             for mode, flops in (("fwd", fwd_flops), ("fwd+bwd", 3 * fwd_flops)):
-                fn, t = time_variant(module, ctx, x, dy, mode)
+                fn, t = time_variant(module, ctx, x, dy, mode, reps)
                 tflops = t.rate(flops) / 1e12
                 baseline.setdefault(mode, t.median_ms)
                 rows.append({
@@ -205,7 +209,12 @@ def published_rows(shape: dict) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a smaller shape (hidden 1024, seq 512)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, toy shape: the code paths, not a measurement")
     args = parser.parse_args()
+    if args.smoke:
+        rows = run(SMOKE, (torch.bfloat16, torch.float32), device="cpu", reps={"warmup": 1, "rep": 2})
+        print_table(rows, title="smoke run on CPU (toy shape; timings meaningless)")
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_te_layer needs a CUDA GPU")
     shape = QUICK if args.quick else FULL
