@@ -6,16 +6,19 @@
 #   (bench_<name>.py: layernorm, elementwise, attention, fp8_cast, optim, transformer_kernel,
 #   te_layer, engine); default: all of them, tests first. --timeout: the limit for each step
 #   (default 0 = none), so that one slow step cannot use up a whole session's time.
-#   Other arguments (e.g. --quick) go to every benchmark script.
+#   --tests "PATHS": the test paths of the "tests" step (default: tests), e.g. "tests/kernels"
+#   to split the GPU tests over several calls. Other arguments (e.g. --quick) go to every
+#   benchmark script.
 # On an offline GPU machine, wheels for pydantic & co. may be carried in .whl/ (see README).
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu.sh OUTDIR [--only STEPS] [--timeout SECONDS] [--quick]}
 shift
-only="" limit=0 args=()
+only="" limit=0 tests=tests args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --only) only=${2:?--only needs a comma-separated list}; shift 2 ;;
     --timeout) limit=${2:?--timeout needs seconds}; shift 2 ;;
+    --tests) tests=${2:?--tests needs test paths}; shift 2 ;;
     *) args+=("$1"); shift ;;
   esac
 done
@@ -49,8 +52,9 @@ timed() {  # timed CMD...: run with the per-step limit, if any
 
 status=0
 if selected tests; then
-  echo "## pytest -m gpu" | tee -a "$out/summary.md"
-  timed $py -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$out/pytest-gpu.log" | tail -n 30
+  echo "## pytest -m gpu $tests" | tee -a "$out/summary.md"
+  # shellcheck disable=SC2086  # $tests is a list of paths
+  timed $py -m pytest -q -m gpu -p no:cacheprovider --durations=15 $tests 2>&1 | tee "$out/pytest-gpu.log" | tail -n 30
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   tail -n 1 "$out/pytest-gpu.log" >>"$out/summary.md"
 fi
