@@ -29,6 +29,7 @@ from tachyon.backend import resolve
 from tachyon.kernels.activation import reference
 from tachyon.kernels.activation.reference import ACTIVATIONS, is_gated
 from tachyon.kernels.common import check_dtype, check_same_device, check_shape
+from tachyon.kernels.registry import fused_op
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -39,7 +40,7 @@ def _out_features(x: Tensor, activation: str) -> int:
     return x.shape[-1] // 2 if is_gated(activation) else x.shape[-1]
 
 
-@torch.library.custom_op("tachyon::bias_act_fwd", mutates_args=())
+@fused_op("tachyon::bias_act_fwd", mutates_args=())
 def _bias_act_fwd(x: Tensor, bias: Tensor | None, activation: str, backend: str) -> Tensor:
     """x: [M, K] contiguous, bias: [K] or None -> y: [M, F]."""
     if backend == "triton":
@@ -54,7 +55,7 @@ def _(x, bias, activation, backend):
     return x.new_empty((x.shape[0], _out_features(x, activation)))
 
 
-@torch.library.custom_op("tachyon::bias_act_bwd", mutates_args=())
+@fused_op("tachyon::bias_act_bwd", mutates_args=())
 def _bias_act_bwd(dy: Tensor, x: Tensor, bias: Tensor | None, activation: str, backend: str) -> tuple[Tensor, Tensor]:
     """dy: [M, F], x: [M, K]. Returns (dx [M, K], dbias [K] or an empty tensor)."""
     impl = reference.bias_act_backward
@@ -86,7 +87,7 @@ def _bias_act_backward(ctx, dy):
 _bias_act_fwd.register_autograd(_bias_act_backward, setup_context=_bias_act_setup)
 
 
-@torch.library.custom_op("tachyon::bias_act_linear_fwd", mutates_args=())
+@fused_op("tachyon::bias_act_linear_fwd", mutates_args=())
 def _bias_act_linear_fwd(
     x: Tensor, bias: Tensor | None, weight2: Tensor, bias2: Tensor | None, activation: str, keep_y: bool, backend: str,
 ) -> tuple[Tensor, Tensor]:

@@ -26,12 +26,13 @@ from tachyon.backend import resolve
 from tachyon.kernels.attention import reference
 from tachyon.kernels.common import check_dtype, check_same_device
 from tachyon.kernels.random import check_seed
+from tachyon.kernels.registry import fused_op
 
 OP = "attention"
 MAX_TRITON_HEAD_DIM = 256
 
 
-@torch.library.custom_op("tachyon::attention_fwd", mutates_args=())
+@fused_op("tachyon::attention_fwd", mutates_args=())
 def _attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, key_padding_bias: Tensor | None, causal: bool, dropout_p: float,
     seed: int, seed_tensor: Tensor | None, softmax_scale: float, deterministic: bool, backend: str,
@@ -55,7 +56,7 @@ def _(q, k, v, key_padding_bias, causal, dropout_p, seed, seed_tensor, softmax_s
     return out, q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("tachyon::attention_bwd", mutates_args=())
+@fused_op("tachyon::attention_bwd", mutates_args=())
 def _attention_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding_bias: Tensor | None,
     causal: bool, dropout_p: float, seed: int, seed_tensor: Tensor | None, softmax_scale: float,

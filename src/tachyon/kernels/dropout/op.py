@@ -31,6 +31,7 @@ from tachyon.backend import resolve
 from tachyon.kernels.common import check_dtype, check_same_device, check_shape
 from tachyon.kernels.dropout import reference
 from tachyon.kernels.random import check_seed
+from tachyon.kernels.registry import fused_op
 
 MAX_TRITON_N = 65536  # rows of the fused LayerNorm kernel are one Triton block
 
@@ -56,7 +57,7 @@ def _split_seed(seed: int | Tensor) -> tuple[int, Tensor | None]:
 
 # --- bias + dropout + residual ------------------------------------------------------------------
 
-@torch.library.custom_op("tachyon::bias_dropout_add_fwd", mutates_args=())
+@fused_op("tachyon::bias_dropout_add_fwd", mutates_args=())
 def _bda_fwd(x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float, seed: int, seed_tensor: Tensor | None,
              backend: str) -> Tensor:
     """x, residual: [M, N] contiguous; p == 0 means no dropout. Returns out [M, N] in x's dtype."""
@@ -69,7 +70,7 @@ def _(x, bias, residual, p, seed, seed_tensor, backend):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("tachyon::dropout_bwd", mutates_args=())
+@fused_op("tachyon::dropout_bwd", mutates_args=())
 def _dropout_bwd(dout: Tensor, p: float, seed: int, seed_tensor: Tensor | None, want_dbias: bool,
                  backend: str) -> tuple[Tensor, Tensor]:
     """dout: [M, N]. Returns (dx = where(keep, dout / (1 - p), 0), fp32 row sum of dx or an empty tensor)."""
@@ -109,7 +110,7 @@ _bda_fwd.register_autograd(_bda_backward, setup_context=_bda_setup)
 
 # --- bias + dropout + residual + LayerNorm/RMSNorm ----------------------------------------------
 
-@torch.library.custom_op("tachyon::bias_dropout_add_norm_fwd", mutates_args=())
+@fused_op("tachyon::bias_dropout_add_norm_fwd", mutates_args=())
 def _bdan_fwd(
     x: Tensor, bias: Tensor | None, residual: Tensor | None, weight: Tensor, ln_bias: Tensor | None,
     eps: float, p: float, seed: int, seed_tensor: Tensor | None, rms: bool, invertible: bool, backend: str,
@@ -126,7 +127,7 @@ def _(x, bias, residual, weight, ln_bias, eps, p, seed, seed_tensor, rms, invert
     return torch.empty_like(x), torch.empty_like(x), stats, torch.empty_like(stats)
 
 
-@torch.library.custom_op("tachyon::bias_dropout_add_norm_bwd", mutates_args=())
+@fused_op("tachyon::bias_dropout_add_norm_bwd", mutates_args=())
 def _bdan_bwd(
     dy: Tensor, saved: Tensor, dz_out: Tensor | None, weight: Tensor, ln_bias: Tensor | None, mean: Tensor,
     rstd: Tensor, p: float, seed: int, seed_tensor: Tensor | None, rms: bool, from_output: bool, want_dbias: bool,

@@ -24,11 +24,12 @@ from tachyon.backend import resolve
 from tachyon.kernels.common import SUPPORTED_DTYPES, check_dtype, check_same_device
 from tachyon.kernels.fp8_cast import reference
 from tachyon.kernels.fp8_cast.reference import FP8_DTYPES, FP8_MAX
+from tachyon.kernels.registry import fused_op
 
 OP = "cast_to_fp8"
 
 
-@torch.library.custom_op("tachyon::fp8_cast", mutates_args=("amax",))
+@fused_op("tachyon::fp8_cast", mutates_args=("amax",))
 def _fp8_cast(
     x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax: Tensor | None, transpose: bool, backend: str,
 ) -> tuple[Tensor, Tensor]:

@@ -19,6 +19,7 @@ from torch import Tensor
 from tachyon.backend import resolve
 from tachyon.kernels.common import SUPPORTED_DTYPES, check_dtype, check_same_device, check_shape
 from tachyon.kernels.layernorm import reference
+from tachyon.kernels.registry import fused_op
 
 MAX_TRITON_N = 65536  # one row is one Triton block
 
@@ -27,7 +28,7 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
-@torch.library.custom_op("tachyon::norm_fwd", mutates_args=())
+@fused_op("tachyon::norm_fwd", mutates_args=())
 def _norm_fwd(
     x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
     eps: float, is_rms: bool, invertible: bool, backend: str,
@@ -50,7 +51,7 @@ def _(x, weight, bias, residual, eps, is_rms, invertible, backend):
     return torch.empty_like(x), z, stats, torch.empty_like(stats)
 
 
-@torch.library.custom_op("tachyon::norm_bwd", mutates_args=())
+@fused_op("tachyon::norm_bwd", mutates_args=())
 def _norm_bwd(
     dy: Tensor, saved: Tensor, dz_out: Tensor | None, weight: Tensor, bias: Tensor | None,
     mean: Tensor, rstd: Tensor, is_rms: bool, from_output: bool, backend: str,

@@ -15,11 +15,12 @@ from torch import Tensor
 
 from tachyon.backend import resolve
 from tachyon.kernels.common import check_dtype, check_same_device
+from tachyon.kernels.registry import fused_op
 from tachyon.kernels.rope import reference
 from tachyon.kernels.rope.reference import rope_frequencies
 
 
-@torch.library.custom_op("tachyon::rotary", mutates_args=())
+@fused_op("tachyon::rotary", mutates_args=())
 def _rotary(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, inverse: bool, backend: str,
 ) -> tuple[Tensor, Tensor]:

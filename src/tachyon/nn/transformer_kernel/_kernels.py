@@ -21,6 +21,7 @@ from tachyon.kernels.activation import bias_act_linear
 from tachyon.kernels.attention import attention, padding_bias_from_mask
 from tachyon.kernels.dropout import bias_dropout_add, bias_dropout_add_layer_norm
 from tachyon.kernels.layernorm import layer_norm
+from tachyon.kernels.registry import fused_op
 
 _M64 = (1 << 64) - 1
 _M63 = (1 << 63) - 1
@@ -85,7 +86,7 @@ def inside_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-@torch.library.custom_op("tachyon::next_dropout_seeds", mutates_args=("calls",))
+@fused_op("tachyon::next_dropout_seeds", mutates_args=("calls",))
 def _next_dropout_seeds(key: torch.Tensor, calls: torch.Tensor, backend: str) -> torch.Tensor:
     advance = not inside_backward()
     if backend == "triton":
