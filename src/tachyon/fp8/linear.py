@@ -167,7 +167,7 @@ def _cast_operands(x, weight, scaling: GemmScaling, fp8_dtype: torch.dtype, is_f
         w8 = cached
     elif is_first_microbatch is False:
         cache = scaling.cached_weight(weight, fp8_dtype)
-        cached, sw = cache.data, cache.scale_inv
+        cached, sw, w8_t = cache.data, cache.scale_inv, cache.data_t
         w8 = cached
     else:
         if replay is None:
@@ -176,7 +176,7 @@ def _cast_operands(x, weight, scaling: GemmScaling, fp8_dtype: torch.dtype, is_f
             w_scale, sw = replay.weight_scale, replay.weight_scale_inv
         w8, w8_t = _cast(weight, w_scale, fp8_dtype, scaling.weight.amax_history[0] if record else None, transpose)
         if is_first_microbatch and replay is None:
-            scaling.weight_cache = CachedWeight(w8, sw)
+            scaling.weight_cache = CachedWeight(w8, sw, w8_t)
     if transpose and w8_t is None:
         w8_t = w8.t().contiguous()
     if recording():

@@ -112,13 +112,15 @@ class CachedWeight:
     """A GEMM's FP8 weight kept across the micro-batches of one step (``is_first_microbatch``).
 
     data: [out_features, in_features] in the forward FP8 dtype; scale_inv: fp32 0-dim, the
-    1 / scale ``data`` was cast with (so a later scale update cannot desynchronize the pair).
+    1 / scale ``data`` was cast with (so a later scale update cannot desynchronize the pair);
+    data_t: ``data.T`` contiguous where the FP8 GEMMs take transposed operands (torch._scaled_mm),
+    else None.
     """
 
-    __slots__ = ("data", "scale_inv")
+    __slots__ = ("data", "data_t", "scale_inv")
 
-    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor) -> None:
-        self.data, self.scale_inv = data, scale_inv
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, data_t: torch.Tensor | None = None) -> None:
+        self.data, self.scale_inv, self.data_t = data, scale_inv, data_t
 
 
 class GemmScaling:
