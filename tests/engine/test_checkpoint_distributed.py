@@ -21,11 +21,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.engine.zero_cases import IN, OUT, make_model
 from tests.utils import RankFailure, assert_close, run_distributed
 
 pytestmark = pytest.mark.distributed
 
-IN, HIDDEN, OUT = 6, 13, 3
 GLOBAL_BATCH, K = 4, 3
 """Rows per step (every world size sees the same ones); checkpoint at step K, train to 2K."""
 
@@ -43,13 +43,6 @@ def make_engine(stage: int):
     import tachyon
 
     _, world = _rank_world()
-    gen = torch.Generator().manual_seed(1234)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(IN, HIDDEN), torch.nn.GELU(), torch.nn.LayerNorm(HIDDEN), torch.nn.Linear(HIDDEN, OUT)
-    )
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
     config = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "train_batch_size": GLOBAL_BATCH,
@@ -58,7 +51,7 @@ def make_engine(stage: int):
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
         "checkpoint": {"tag_validation": "Fail"},
     }
-    engine, _, _, _ = tachyon.initialize(model=model, config=config)
+    engine, _, _, _ = tachyon.initialize(model=make_model(), config=config)
     return engine
 
 

@@ -15,6 +15,8 @@ from tachyon.config import ConfigError
 from tests.engine.zero_cases import LR, Case, batch, loss_fn, make_model
 from tests.utils import assert_close
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 BASE = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2}
 
 
@@ -27,14 +29,6 @@ def train_micro_step(engine, step: int, micro: int) -> None:
     x, y = batch(step, micro, 0, torch.float32)
     engine.backward(loss_fn(engine(x.to(engine.device)), y.to(engine.device)))
     engine.step()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_initialize_returns_engine_optimizer_loader_scheduler_and_trains():

@@ -18,6 +18,8 @@ import tachyon
 from tests.engine.zero_cases import IN, LR, MICRO, batch, loss_fn, make_model
 from tests.utils.distributed import run_distributed
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TOKENS = 16
 FWD_S, BWD_S, REDUCE_S, STEP_S = 0.010, 0.030, 0.002, 0.004
 """Fake seconds the clock advances in each phase of a micro-step (step: once per optimizer step)."""
@@ -97,14 +99,6 @@ def train(engine, steps: int, rank: int = 0) -> list[dict]:
             losses.append(loss.item())
         record.append({"losses": losses, "lr": engine.get_lr()[0], "norm": engine.get_global_grad_norm()})
     return record
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def step_lines(out: str) -> list[re.Match]:

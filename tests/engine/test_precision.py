@@ -19,6 +19,8 @@ from tachyon.engine.zero import DataParallelComm
 from tests.engine.zero_cases import FP16_SCALE_POWER, Case, as_tensors, fp16_overflow_on_rank, reference_train, run_cases
 from tests.utils import assert_close
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _scales(scaler: DynamicLossScaler, overflows: list[bool]) -> list[float]:
     out = []
@@ -98,14 +100,6 @@ def test_fp16_unscale_and_check():
     assert precision.unscale_and_check([torch.tensor([float("-inf")])], comm)
     loss = torch.tensor(60000.0, dtype=torch.float16)
     assert precision.scale_loss(loss).dtype == torch.float32  # scaled in fp32: no overflow here
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -248,10 +248,10 @@ def fp16_overflow_on_rank(stage: int, inject: list[bool]) -> dict:
 
 
 # ---------------------------------------------------------------------- failing ranks
-def rank_dies_mid_training(timeout_s: float) -> None:
-    """The last rank exits abruptly before its 3rd backward; the others must raise."""
+def _engine_with_group_timeout(timeout_s: float, stage: int):
+    """(engine, rank, world size): torch.distributed started with a ``timeout_s`` group timeout,
+    then an engine at ZeRO ``stage`` over `make_model`."""
     import datetime
-    import os
 
     import torch.distributed as dist
 
@@ -260,10 +260,17 @@ def rank_dies_mid_training(timeout_s: float) -> None:
 
     init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model()
     engine, _, _, _ = tachyon.initialize(
-        model=model, config=Case(stage=2).config(world), optimizer=lambda g: torch.optim.AdamW(g, lr=LR)
+        model=make_model(), config=Case(stage=stage).config(world), optimizer=lambda g: torch.optim.AdamW(g, lr=LR)
     )
+    return engine, rank, world
+
+
+def rank_dies_mid_training(timeout_s: float) -> None:
+    """The last rank exits abruptly before its 3rd backward; the others must raise."""
+    import os
+
+    engine, rank, world = _engine_with_group_timeout(timeout_s, stage=2)
     for step in range(4):
         if step == 2 and rank == world - 1:
             os._exit(3)
@@ -275,22 +282,11 @@ def rank_dies_mid_training(timeout_s: float) -> None:
 def rank_hangs_mid_training(timeout_s: float, hang_s: float) -> None:
     """The last rank sleeps ``hang_s`` before its 3rd backward; the others must raise after
     the data-parallel group's ``timeout_s``."""
-    import datetime
     import time
 
-    import torch.distributed as dist
-
-    import tachyon
-    from tachyon.parallel.distributed import init_distributed
-
-    init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model()
-    engine, _, _, _ = tachyon.initialize(
-        model=model, config=Case(stage=1).config(world), optimizer=lambda g: torch.optim.AdamW(g, lr=LR)
-    )
     from tachyon.engine.zero import CollectiveError
 
+    engine, rank, world = _engine_with_group_timeout(timeout_s, stage=1)
     for step in range(4):
         if step == 2 and rank == world - 1:
             time.sleep(hang_s)

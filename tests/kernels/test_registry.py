@@ -84,7 +84,14 @@ def test_eager_calls_skip_the_dispatcher_and_other_calls_use_it(monkeypatch):
 
 def test_torch_compile_still_traces_the_custom_op():
     """Under torch.compile the op is the opaque custom op (one graph, no break), with gradients."""
+    from torch._dynamo.backends.registry import lookup_backend
     from torch._dynamo.utils import counters
+
+    traced = []
+
+    def aot_eager_recording_ops(gm, example_inputs):
+        traced.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return lookup_backend("aot_eager")(gm, example_inputs)
 
     torch._dynamo.reset()
     weight = torch.ones(16, requires_grad=True)
@@ -92,9 +99,11 @@ def test_torch_compile_still_traces_the_custom_op():
     def f(x):
         return layer_norm(x, weight, None, backend="torch").square().sum()
 
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(f, backend=aot_eager_recording_ops, fullgraph=True)
     x = torch.randn(8, 16, requires_grad=True)
     compiled(x).backward()
     want = torch.autograd.grad(f(x), x)[0]
     assert torch.allclose(x.grad, want, atol=1e-6)
     assert counters["stats"]["unique_graphs"] >= 1
+    # the graph holds the custom op itself, not the eager path's autograd.Function
+    assert "tachyon.norm_fwd.default" in traced, f"ops in the compiled graph: {traced}"

@@ -260,9 +260,14 @@ def log_profile() -> str:
 # --------------------------------------------------------------------------- checkpoint
 
 
-def _synchronize_boundary() -> None:
-    if _settings.synchronize_checkpoint_boundary and torch.cuda.is_available() and torch.cuda.is_initialized():
+def _cuda_synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def _synchronize_boundary() -> None:
+    if _settings.synchronize_checkpoint_boundary:
+        _cuda_synchronize()
 
 
 def _pack_to_cpu(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
@@ -297,24 +302,20 @@ class _Region:
             self.forward_done = True
             return self.function(*args, **kwargs)
         _stats["recomputes"] += 1
-        _synchronize_boundary()
-        if not self.profile:
-            try:
-                return self.function(*args, **kwargs)
-            finally:
-                _synchronize_boundary()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+        synchronize = self.profile or _settings.synchronize_checkpoint_boundary
+        if synchronize:
+            _cuda_synchronize()
         start = time.perf_counter()
         try:  # checkpoint's early stop ends a recomputation with an exception: time it too
             return self.function(*args, **kwargs)
         finally:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            _stats["recompute_s"] += elapsed
-            name = getattr(self.function, "__name__", type(self.function).__name__)
-            logger.debug("recomputed checkpointed %s in %.3f ms", name, elapsed * 1e3)
+            if synchronize:
+                _cuda_synchronize()
+            if self.profile:
+                elapsed = time.perf_counter() - start
+                _stats["recompute_s"] += elapsed
+                name = getattr(self.function, "__name__", type(self.function).__name__)
+                logger.debug("recomputed checkpointed %s in %.3f ms", name, elapsed * 1e3)
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -36,6 +36,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from tachyon.config import ConfigError, TachyonConfig
 
+from .lr_schedules import build_scheduler
+from .optim import build_optimizer
 from .precision import DTYPES, Precision, build_precision
 from .telemetry import EngineTelemetry
 from .zero import DataParallelComm, ZeroStrategy, build_zero_strategy
@@ -289,26 +291,6 @@ def check_engine_inputs(model: Any, config: TachyonConfig, optimizer: Any, lr_sc
         raise ValueError(f"optimizer should be a torch.optim.Optimizer or a callable; got {_describe(optimizer)}")
     if isinstance(optimizer, torch.optim.Optimizer) and any(len(s) for s in optimizer.state.values()):
         raise ValueError("optimizer already has state; pass a freshly built optimizer")
-    if config.optimizer is not None:
-        _optim_module()
-    if config.scheduler is not None:
-        _schedules_module()
-
-
-def _optim_module():
-    try:
-        from tachyon.engine import optim
-    except ImportError as error:
-        raise ConfigError(f"`optimizer`: tachyon.engine.optim is not available ({error})") from None
-    return optim
-
-
-def _schedules_module():
-    try:
-        from tachyon.engine import lr_schedules
-    except ImportError as error:
-        raise ConfigError(f"`scheduler`: tachyon.engine.lr_schedules is not available ({error})") from None
-    return lr_schedules
 
 
 def _param_groups(optimizer: Any, model_parameters: Any, model: torch.nn.Module) -> list[dict]:
@@ -349,7 +331,7 @@ def _bind_optimizer(client: Any, config: TachyonConfig, zero: ZeroStrategy):
         for group, ours in zip(optimizer.param_groups, groups):
             group.update({k: v for k, v in ours.items() if k != "params"})
     elif config.optimizer is not None:
-        optimizer = _optim_module().build_optimizer(config.optimizer, groups)
+        optimizer = build_optimizer(config.optimizer, groups)
     else:
         return None
     optimizer.norm_reducer = zero.norm_reducer
@@ -366,7 +348,7 @@ def _build_scheduler(client: Any, config: TachyonConfig, optimizer: Any):
     if config.scheduler is not None:
         if optimizer is None:
             raise ConfigError("`scheduler` needs an optimizer (config 'optimizer' or optimizer=)")
-        return _schedules_module().build_scheduler(config.scheduler, optimizer)
+        return build_scheduler(config.scheduler, optimizer)
     return None
 
 

@@ -43,7 +43,10 @@ import torch
 
 from tachyon.config import MonitorConfig, TachyonConfig
 
-__all__ = ["CsvWriter", "Monitor", "StepLogger", "TensorBoardWriter", "WallClockTimers", "format_step_line"]
+__all__ = [
+    "CsvWriter", "Monitor", "StepLogger", "TensorBoardWriter", "WallClockTimers", "format_breakdown_line",
+    "format_step_line",
+]
 
 Event = tuple[str, Any, int]
 
@@ -282,6 +285,11 @@ class StepLogger:
 # --------------------------------------------------------------------------- timers
 
 
+def format_breakdown_line(ms_per_phase: dict[str, float]) -> str:
+    """``time (ms) | forward: 12.10 | backward: 25.31 | reduce: 3.02 | step: 4.50``."""
+    return "time (ms) | " + " | ".join(f"{name}: {value:.2f}" for name, value in ms_per_phase.items())
+
+
 def _cuda_synchronize() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -350,7 +358,7 @@ class WallClockTimers:
     def log(self, names: Sequence[str] | None = None, reset: bool = True) -> str:
         """``time (ms) | forward: 12.34 | backward: 25.10`` (means over the window), then reset them."""
         selected = self._select(names)
-        line = "time (ms) | " + " | ".join(f"{n}: {self._timers[n].mean_ms():.2f}" for n in selected)
+        line = format_breakdown_line({n: self._timers[n].mean_ms() for n in selected})
         if reset:
             self.reset(selected)
         return line

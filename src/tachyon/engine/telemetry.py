@@ -58,11 +58,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tachyon.config import TachyonConfig
+from tachyon.parallel.distributed import get_rank
 
-from .monitor import Event, Monitor, WallClockTimers, format_step_line
+from .monitor import Event, Monitor, WallClockTimers, format_breakdown_line, format_step_line
 
 __all__ = ["PHASES", "EngineTelemetry", "StepStats", "format_breakdown_line"]
 
@@ -90,15 +90,6 @@ class StepStats:
     global_loss: float | None = None
     printed: bool = False
     breakdown_ms: dict[str, float] = field(default_factory=dict)
-
-
-def format_breakdown_line(ms_per_phase: dict[str, float]) -> str:
-    """``time (ms) | forward: 12.10 | backward: 25.31 | reduce: 3.02 | step: 4.50``."""
-    return "time (ms) | " + " | ".join(f"{name}: {value:.2f}" for name, value in ms_per_phase.items())
-
-
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _print_flush(line: str) -> None:
@@ -130,7 +121,7 @@ class EngineTelemetry:
         self.show_loss_scale = config.precision == "fp16"
         self.comm = comm
         self.device = torch.device(device)
-        self.rank = _global_rank() if rank is None else rank
+        self.rank = get_rank() if rank is None else rank
         self.printer = printer or _print_flush
         self.clock = clock
         self.monitor = Monitor(config, self.rank)

@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 
 from tachyon.backend import resolve
-from tachyon.fp8.recipe import FP8_MAX
 from tachyon.kernels.fp8_cast import cast_to_fp8 as fused_cast_to_fp8
+from tachyon.kernels.fp8_cast.reference import FP8_DTYPES, FP8_MAX, cast_to_fp8_torch, update_amax
 
-FP8_DTYPES = tuple(FP8_MAX)
 FP8_ALIGNMENT = 16
 
 
@@ -59,10 +58,9 @@ def cast_to_fp8(
         raise ValueError(f"cast_to_fp8: fp8_dtype={fp8_dtype} is not an FP8 dtype; allowed: {FP8_DTYPES}")
     if x.dim() and resolve(x) == "triton":
         return fused_cast_to_fp8(x, scale, fp8_dtype, amax, transpose=transpose, backend="triton")
-    if amax is not None and x.numel():
-        amax.copy_(torch.maximum(amax, x.detach().abs().amax().to(torch.float32)))  # NaN propagates
-    fp8_max = FP8_MAX[fp8_dtype]
-    x8 = (x.detach().to(torch.float32) * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    if amax is not None:
+        update_amax(amax, x)  # NaN propagates
+    x8 = cast_to_fp8_torch(x.detach(), scale, fp8_dtype)
     if transpose:
         if x8.dim() != 2:
             raise ValueError(f"cast_to_fp8: transpose=True needs a 2-D x; got shape {tuple(x.shape)}")

@@ -117,7 +117,7 @@ class _FP8Linear(torch.autograd.Function):
             cast = cast_to_fp8(grad_out, state.scale, recipe.fp8_format.backward_dtype, state.amax_history[0],
                                transpose=want_t)
             g8, g8_t = cast if want_t else (cast, None)
-            sg = state.scale_inv.clone()
+            sg = state.scale_inv  # read before update_scales below changes it
             if ctx.needs_input_grad[0]:  # dx [M, K] = g8 [M, N] @ w8 [N, K]
                 dx = fp8_gemm(g8, sg, w8 if ctx.transposed else w8.t(), sw, ctx.x_dtype)
             if ctx.needs_input_grad[1]:  # dw [N, K] = g8.T [N, M] @ x8 [M, K]

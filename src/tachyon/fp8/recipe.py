@@ -15,11 +15,12 @@ from collections.abc import Callable
 
 import torch
 
+# FP8_MAX: the largest finite value of each FP8 dtype (e4m3fn has no inf; 448 = 1.75 * 2**8),
+# the table the FP8 cast kernel clamps with
+from tachyon.kernels.fp8_cast.reference import FP8_MAX
+
 FP8_E4M3 = torch.float8_e4m3fn
 FP8_E5M2 = torch.float8_e5m2
-
-#: Largest finite value of each FP8 dtype (e4m3fn has no inf; 448 = 1.75 * 2**8).
-FP8_MAX: dict[torch.dtype, float] = {FP8_E4M3: 448.0, FP8_E5M2: 57344.0}
 
 AMAX_ALGOS = ("max", "most_recent")
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from tachyon.fp8.recipe import DelayedScaling
+from tachyon.kernels.fp8_cast.reference import update_amax
 
 ROLES = ("input", "weight", "grad_output")
 _KEYS = ("amax_history", "scale", "scale_inv")
@@ -62,10 +63,7 @@ class ScalingState:
     @torch.no_grad()
     def record(self, tensor: torch.Tensor) -> None:
         """amax_history[0] = max(amax_history[0], max |tensor|) (NaN/inf propagate into the history)."""
-        if tensor.numel() == 0:
-            return
-        amax = tensor.detach().abs().amax().to(torch.float32)
-        self.amax_history[0] = torch.maximum(self.amax_history[0], amax)  # NaN propagates
+        update_amax(self.amax_history[0], tensor)  # in place on the view; NaN propagates
 
     @torch.no_grad()
     def compute_amax(self, recipe: DelayedScaling) -> torch.Tensor:

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from tachyon.kernels.attention import attention
 from tachyon.kernels.rope import apply_rotary
 from tachyon.nn.layernorm_linear import LayerNormLinear, check_normalization
-from tachyon.nn.linear import Linear
+from tachyon.nn.linear import Linear, check_features
 from tachyon.nn.rope import rotary_tables
 
 ATTN_MASK_TYPES = ("causal", "padding", "no_mask", "padding_causal")
@@ -58,13 +58,7 @@ def draw_seed(device: torch.device | str) -> Tensor:
     return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
 
 
-def _positive_int(module: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{module}: {name} must be a positive int; got {value!r}")
-    return value
-
-
-def _dropout(module: str, name: str, value: object) -> float:
+def check_dropout(module: str, name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise ValueError(f"{module}: {name} must be a float in [0, 1); got {value!r}")
     return float(value)
@@ -74,6 +68,14 @@ def check_choice(module: str, name: str, value: object, allowed: tuple[str, ...]
     if value not in allowed:
         raise ValueError(f"{module}: {name}={value!r} is not supported; allowed: {', '.join(map(repr, allowed))}")
     return value  # type: ignore[return-value]
+
+
+def check_hidden_states(module: str, name: str, t: object, hidden_size: int, qkv_format: str) -> None:
+    """ValueError unless ``t`` is a 3-d tensor [seq, batch, hidden] (sbhd) / [batch, seq, hidden] (bshd)."""
+    if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != hidden_size:
+        got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+        layout = "[seq, batch, hidden]" if qkv_format == "sbhd" else "[batch, seq, hidden]"
+        raise ValueError(f"{module}: {name} must be {layout} with hidden={hidden_size}; got {got}")
 
 
 def _check_mask(name: str, mask: object, batch: int, seq: int) -> Tensor:
@@ -134,13 +136,14 @@ class DotProductAttention(nn.Module):
     ) -> None:
         super().__init__()
         name = "DotProductAttention"
-        self.num_attention_heads = _positive_int(name, "num_attention_heads", num_attention_heads)
-        self.kv_channels = _positive_int(name, "kv_channels", kv_channels)
-        groups = num_attention_heads if num_gqa_groups is None else _positive_int(name, "num_gqa_groups", num_gqa_groups)
+        check_features(name, num_attention_heads=num_attention_heads, kv_channels=kv_channels)
+        self.num_attention_heads, self.kv_channels = num_attention_heads, kv_channels
+        groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        check_features(name, num_gqa_groups=groups)
         if num_attention_heads % groups:
             raise ValueError(f"{name}: num_attention_heads={num_attention_heads} must be a multiple of num_gqa_groups={groups}")
         self.num_gqa_groups = groups
-        self.attention_dropout = _dropout(name, "attention_dropout", attention_dropout)
+        self.attention_dropout = check_dropout(name, "attention_dropout", attention_dropout)
         self.attn_mask_type = check_choice(name, "attn_mask_type", attn_mask_type, ATTN_MASK_TYPES)
         self.qkv_format = check_choice(name, "qkv_format", qkv_format, QKV_FORMATS)
         if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
@@ -269,8 +272,7 @@ class MultiheadAttention(nn.Module):
     ) -> None:
         super().__init__()
         name = "MultiheadAttention"
-        _positive_int(name, "hidden_size", hidden_size)
-        _positive_int(name, "num_attention_heads", num_attention_heads)
+        check_features(name, hidden_size=hidden_size, num_attention_heads=num_attention_heads)
         self.attention_type = check_choice(name, "attention_type", attention_type, ("self", "cross"))
         if kv_channels is None:
             if hidden_size % num_attention_heads:
@@ -326,10 +328,7 @@ class MultiheadAttention(nn.Module):
         return (qo.transpose(0, 1), ko.transpose(0, 1)) if sbhd else (qo, ko)
 
     def _check_input(self, name: str, t: object) -> None:
-        if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != self.hidden_size:
-            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            layout = "[seq, batch, hidden]" if self.qkv_format == "sbhd" else "[batch, seq, hidden]"
-            raise ValueError(f"MultiheadAttention: {name} must be {layout} with hidden={self.hidden_size}; got {got}")
+        check_hidden_states("MultiheadAttention", name, t, self.hidden_size, self.qkv_format)
 
     def forward(
         self, hidden_states: Tensor, attention_mask: Tensor | tuple[Tensor, Tensor] | None = None,

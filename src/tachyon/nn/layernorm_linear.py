@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from tachyon.fp8.linear import FP8ModuleMixin, fp8_linear
 from tachyon.kernels.layernorm import layer_norm, rms_norm
-from tachyon.nn.linear import check_features, check_input, compute_dtype, make_weight
+from tachyon.nn.linear import check_features, check_input, compute_dtype, make_weight, register_bias, te_outputs
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -34,20 +34,22 @@ def make_norm_params(module: nn.Module, size: int, normalization: str, zero_cent
     """Registers ``layer_norm_weight`` (ones, or zeros when zero-centered) and ``layer_norm_bias``."""
     init = torch.zeros if zero_centered_gamma else torch.ones
     module.layer_norm_weight = nn.Parameter(init(size, dtype=dtype, device=device))
-    if normalization == "LayerNorm":
-        module.layer_norm_bias = nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
-    else:
-        module.register_parameter("layer_norm_bias", None)
+    register_bias(module, "layer_norm_bias", size, normalization == "LayerNorm", dtype, device)
 
 
-def apply_norm(module: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
-    """The module's norm over the last dim of x (in ``dtype``); weight 1 + gamma when zero-centered.
+def norm_weight(gamma: Tensor, zero_centered_gamma: bool, dtype: torch.dtype) -> Tensor:
+    """The weight a norm kernel takes: gamma in ``dtype``, or 1 + gamma when zero-centered.
 
     The zero-centered weight is formed in fp32 (the kernel computes in fp32), so small gammas of
     a low-precision parameter are not rounded away by adding 1.
     """
-    gamma = module.layer_norm_weight
-    weight = gamma.float() + 1.0 if module.zero_centered_gamma else gamma.to(dtype)
+    return gamma.float() + 1.0 if zero_centered_gamma else gamma.to(dtype)
+
+
+def apply_norm(module: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """The module's norm over the last dim of x (in ``dtype``); weight 1 + gamma when zero-centered
+    (:func:`norm_weight`)."""
+    weight = norm_weight(module.layer_norm_weight, module.zero_centered_gamma, dtype)
     if module.normalization == "RMSNorm":
         return rms_norm(x, weight, eps=module.eps, backend=module.backend)
     bias = module.layer_norm_bias.to(dtype)
@@ -101,10 +103,7 @@ class LayerNormLinear(FP8ModuleMixin, nn.Module):
         dtype = params_dtype or torch.get_default_dtype()
         make_norm_params(self, in_features, normalization, zero_centered_gamma, dtype, device)
         self.weight = make_weight((out_features, in_features), init_method, dtype, device)
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
-        else:
-            self.register_parameter("bias", None)
+        register_bias(self, "bias", out_features, bias, dtype, device)
         self._init_fp8_scaling("gemm")
 
     def forward(self, x: Tensor, is_first_microbatch: bool | None = None):
@@ -114,10 +113,7 @@ class LayerNormLinear(FP8ModuleMixin, nn.Module):
         bias = self.bias.to(dtype) if self.bias is not None else None
         out = fp8_linear(ln_out, self.weight.to(dtype), None if self.return_bias else bias, self.fp8_scaling["gemm"],
                          is_first_microbatch=is_first_microbatch)
-        result = (out, bias) if self.return_bias else (out,)
-        if self.return_layernorm_output:
-            result = (*result, ln_out)
-        return result if len(result) > 1 else out
+        return te_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "

@@ -28,7 +28,7 @@ from tachyon.fp8.linear import FP8ModuleMixin, fp8_linear
 from tachyon.kernels.activation import ACTIVATIONS as KERNEL_ACTIVATIONS
 from tachyon.kernels.activation import bias_act
 from tachyon.nn.layernorm_linear import apply_norm, check_normalization, make_norm_params
-from tachyon.nn.linear import check_features, check_input, compute_dtype, make_weight
+from tachyon.nn.linear import check_features, check_input, compute_dtype, make_weight, register_bias, te_outputs
 
 # TE activation name -> the fused kernel's activation name
 _KERNEL_NAME = {"gelu": "gelu_tanh", "relu": "relu", "silu": "silu", "qgelu": "qgelu", "swiglu": "swiglu"}
@@ -108,12 +108,8 @@ class LayerNormMLP(FP8ModuleMixin, nn.Module):
         make_norm_params(self, hidden_size, normalization, zero_centered_gamma, dtype, device)
         self.fc1_weight = make_weight((fc1_out, hidden_size), init_method, dtype, device)
         self.fc2_weight = make_weight((hidden_size, ffn_hidden_size), output_layer_init_method, dtype, device)
-        if bias:
-            self.fc1_bias = nn.Parameter(torch.zeros(fc1_out, dtype=dtype, device=device))
-            self.fc2_bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
-        else:
-            self.register_parameter("fc1_bias", None)
-            self.register_parameter("fc2_bias", None)
+        register_bias(self, "fc1_bias", fc1_out, bias, dtype, device)
+        register_bias(self, "fc2_bias", hidden_size, bias, dtype, device)
         self._init_fp8_scaling("fc1", "fc2")
 
     def forward(self, x: Tensor, is_first_microbatch: bool | None = None):
@@ -127,10 +123,7 @@ class LayerNormMLP(FP8ModuleMixin, nn.Module):
         fc2_bias = self.fc2_bias.to(dtype) if self.fc2_bias is not None else None
         y = fp8_linear(a, self.fc2_weight.to(dtype), None if self.return_bias else fc2_bias, self.fp8_scaling["fc2"],
                        is_first_microbatch=is_first_microbatch)
-        result = (y, fc2_bias) if self.return_bias else (y,)
-        if self.return_layernorm_output:
-            result = (*result, ln_out)
-        return result if len(result) > 1 else y
+        return te_outputs(y, fc2_bias, ln_out, self.return_bias, self.return_layernorm_output)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

@@ -44,6 +44,19 @@ def make_weight(shape: tuple[int, ...], init_method: Callable[[Tensor], None] | 
     return nn.Parameter(weight)
 
 
+def register_bias(module: nn.Module, name: str, size: int, bias: bool, dtype, device) -> None:
+    """Registers the zero-initialized bias parameter ``name`` [size], or None when not ``bias``."""
+    module.register_parameter(name, nn.Parameter(torch.zeros(size, dtype=dtype, device=device)) if bias else None)
+
+
+def te_outputs(out: Tensor, bias: Tensor | None, ln_out: Tensor | None, return_bias: bool,
+               return_layernorm_output: bool):
+    """Transformer Engine's return convention: out, then bias (``return_bias``), then the norm's
+    output (``return_layernorm_output``); out alone is returned bare, not as a 1-tuple."""
+    result = (out, *((bias,) if return_bias else ()), *((ln_out,) if return_layernorm_output else ()))
+    return result if len(result) > 1 else out
+
+
 def compute_dtype(param: Tensor, x: Tensor) -> torch.dtype:
     """The GEMMs' dtype: torch.autocast's when it is on for x's device, else the params'."""
     device_type = x.device.type
@@ -93,10 +106,7 @@ class Linear(FP8ModuleMixin, nn.Module):
         self.use_bias, self.return_bias = bias, return_bias
         dtype = params_dtype or torch.get_default_dtype()
         self.weight = make_weight((out_features, in_features), init_method, dtype, device)
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
-        else:
-            self.register_parameter("bias", None)
+        register_bias(self, "bias", out_features, bias, dtype, device)
         self._init_fp8_scaling("gemm")
 
     def forward(self, x: Tensor, is_first_microbatch: bool | None = None):
@@ -106,7 +116,7 @@ class Linear(FP8ModuleMixin, nn.Module):
         bias = self.bias.to(dtype) if self.bias is not None else None
         y = fp8_linear(x.to(dtype), weight, None if self.return_bias else bias, self.fp8_scaling["gemm"],
                        is_first_microbatch=is_first_microbatch)
-        return (y, bias) if self.return_bias else y
+        return te_outputs(y, bias, None, self.return_bias, False)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}"

@@ -49,9 +49,10 @@ from torch import Tensor, nn
 
 from tachyon.kernels.dropout import bias_dropout_add, bias_dropout_add_layer_norm
 from tachyon.nn.attention import (
-    ATTN_MASK_TYPES, QKV_FORMATS, MultiheadAttention, check_choice, draw_seed, te_default_init,
+    ATTN_MASK_TYPES, QKV_FORMATS, MultiheadAttention, check_choice, check_dropout, check_hidden_states, draw_seed,
+    te_default_init,
 )
-from tachyon.nn.layernorm_linear import check_normalization
+from tachyon.nn.layernorm_linear import check_normalization, norm_weight
 from tachyon.nn.layernorm_mlp import ACTIVATIONS, LayerNormMLP
 from tachyon.nn.linear import compute_dtype
 from tachyon.nn.norm import LayerNorm, RMSNorm
@@ -135,10 +136,8 @@ class TransformerLayer(nn.Module):
         check_choice(name, "attn_input_format", attn_input_format, QKV_FORMATS)
         check_choice(name, "self_attn_mask_type", self_attn_mask_type, ATTN_MASK_TYPES)
         check_normalization(name, normalization)
-        if isinstance(hidden_dropout, bool) or not isinstance(hidden_dropout, (int, float)) or not 0.0 <= hidden_dropout < 1.0:
-            raise ValueError(f"{name}: hidden_dropout must be a float in [0, 1); got {hidden_dropout!r}")
+        self.hidden_dropout = check_dropout(name, "hidden_dropout", hidden_dropout)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        self.hidden_dropout = float(hidden_dropout)
         self.self_attn_mask_type, self.attn_input_format = self_attn_mask_type, attn_input_format
         self.apply_residual_connection_post_layernorm = bool(apply_residual_connection_post_layernorm)
         self.output_layernorm, self.layer_type, self.layer_number = bool(output_layernorm), layer_type, layer_number
@@ -185,8 +184,7 @@ class TransformerLayer(nn.Module):
 
     def _bda_norm(self, x: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
         p = self.hidden_dropout if self.training else 0.0
-        gamma = self.layernorm.weight
-        weight = gamma.float() + 1.0 if self.zero_centered_gamma else gamma.to(x.dtype)
+        weight = norm_weight(self.layernorm.weight, self.zero_centered_gamma, x.dtype)
         ln_bias = getattr(self.layernorm, "bias", None)
         y, _ = bias_dropout_add_layer_norm(
             x, bias, residual, weight, ln_bias.to(x.dtype) if ln_bias is not None else None, self.layernorm_epsilon, p,
@@ -200,10 +198,7 @@ class TransformerLayer(nn.Module):
         rotary_pos_emb: object = None, encoder_output: Tensor | None = None,
         enc_dec_attn_mask: Tensor | tuple[Tensor, Tensor] | None = None, is_first_microbatch: bool | None = None,
     ) -> Tensor:
-        if not isinstance(hidden_states, Tensor) or hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
-            got = tuple(hidden_states.shape) if isinstance(hidden_states, Tensor) else type(hidden_states).__name__
-            layout = "[seq, batch, hidden]" if self.attn_input_format == "sbhd" else "[batch, seq, hidden]"
-            raise ValueError(f"TransformerLayer: hidden_states must be {layout} with hidden={self.hidden_size}; got {got}")
+        check_hidden_states("TransformerLayer", "hidden_states", hidden_states, self.hidden_size, self.attn_input_format)
         if self.layer_type == "encoder" and (encoder_output is not None or enc_dec_attn_mask is not None):
             raise ValueError("TransformerLayer: encoder_output / enc_dec_attn_mask need layer_type='decoder'")
         weight = self.layernorm_mlp.fc1_weight

@@ -121,14 +121,11 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             return 130
         return 128 - code if code < 0 else code
-    from tachyon.train.run import ResumeError, train
+    from tachyon.train.run import train
 
     try:
         train(config, output_dir, resume=args.resume, progress=not args.no_progress)
     except ConfigError as error:
         print(f"tachyon train: error: {error}", file=sys.stderr)
         return 2
-    except ResumeError as error:
-        print(f"tachyon train: error: {error}", file=sys.stderr)
-        return 1
     return 0

@@ -29,13 +29,11 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from tachyon.config import ConfigError
-from tachyon.config.errors import did_you_mean, validation_problems
-from tachyon.config.types import Section
+from tachyon.config.errors import did_you_mean, unknown_key, validation_problems
+from tachyon.config.types import NonNegativeInt, PositiveInt, Section
 
 __all__ = ["DEFAULT_ENGINE", "TrainConfig", "load_train_config", "resolve_precision"]
 
-PositiveInt = Annotated[int, Field(gt=0)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
 Ratio = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 DEFAULT_ENGINE: dict[str, Any] = {
@@ -114,17 +112,13 @@ class TrainConfig(Section):
 
         ``precision`` is the resolved training precision ("bf16", "fp16" or "fp32")."""
         engine = copy.deepcopy(self.engine)
-        explicit = {name for name in ("bf16", "fp16") if isinstance(engine.get(name), dict)
-                    and engine[name].get("enabled", False)}
-        if explicit:
-            wanted = explicit.pop()
-            if self.precision not in ("auto", wanted):
-                raise ConfigError(f"`precision` is \"{self.precision}\" but `engine.{wanted}.enabled` is true; "
+        explicit = self._engine_precision()
+        if explicit is not None:
+            if self.precision not in ("auto", explicit):
+                raise ConfigError(f"`precision` is \"{self.precision}\" but `engine.{explicit}.enabled` is true; "
                                   "keep one of them")
-        else:
-            for name in ("bf16", "fp16"):
-                if precision == name:
-                    engine[name] = {**engine.get(name, {}), "enabled": True}
+        elif precision in ("bf16", "fp16"):
+            engine[precision] = {**engine.get(precision, {}), "enabled": True}
         scheduler = engine.get("scheduler")
         if isinstance(scheduler, dict) and scheduler.get("type") in _TOTAL_STEPS_SCHEDULERS:
             params = scheduler.setdefault("params", {})
@@ -135,11 +129,15 @@ class TrainConfig(Section):
 
     def training_precision(self, bf16_available: bool) -> str:
         """The precision this run trains in (``precision`` resolved, or the engine's own section)."""
+        return self._engine_precision() or resolve_precision(self.precision, bf16_available)
+
+    def _engine_precision(self) -> str | None:
+        """"bf16" or "fp16" when the ``engine`` section enables it itself (bf16 first), else None."""
         for name in ("bf16", "fp16"):
             section = self.engine.get(name)
             if isinstance(section, dict) and section.get("enabled", False):
                 return name
-        return resolve_precision(self.precision, bf16_available)
+        return None
 
 
 def resolve_precision(precision: str, bf16_available: bool) -> str:
@@ -167,13 +165,8 @@ def load_train_config(source: str | Path | dict[str, Any] | None = None, **overr
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a JSON object, got {type(raw).__name__}")
     raw.update({k: v for k, v in overrides.items() if v is not None})
-    known = set(TrainConfig.model_fields)
-    problems = []
-    for key in raw:
-        if key not in known:
-            guess = did_you_mean(str(key), known)
-            hint = f"; did you mean '{guess}'?" if guess else f"; allowed keys: {', '.join(sorted(known))}"
-            problems.append(f"unknown key '{key}'{hint}")
+    known = TrainConfig.model_fields
+    problems = [unknown_key(str(key), "", known) for key in raw if key not in known]
     if problems:
         raise ConfigError(problems)
     try:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import tachyon.nn as tnn
-from tachyon.data import IGNORE_INDEX
+from tachyon.data import IGNORE_INDEX, padded_vocab_size
 
 __all__ = ["GPT", "BertMLM", "count_parameters", "sinusoidal_positions"]
 
@@ -142,7 +142,7 @@ class BertMLM(nn.Module):
         _check_dropout("BertMLM", hidden_dropout=hidden_dropout, attention_dropout=attention_dropout)
         _check_dtype("BertMLM", dtype)
         self.vocab_size, self.max_seq_len, self.hidden_size = vocab_size, max_seq_len, hidden_size
-        padded_vocab = -(-vocab_size // 64) * 64
+        padded_vocab = padded_vocab_size(vocab_size)
         std = 0.02
         self.token_embedding = nn.Embedding(padded_vocab, hidden_size, dtype=dtype)
         self.position_embedding = nn.Embedding(max_seq_len, hidden_size, dtype=dtype)
@@ -239,7 +239,7 @@ class GPT(nn.Module):
         if position not in self.POSITIONS:
             raise ValueError(f"GPT: position must be one of {self.POSITIONS}; got {position!r}")
         self.vocab_size, self.max_seq_len, self.position = vocab_size, max_seq_len, position
-        padded_vocab = -(-vocab_size // 64) * 64
+        padded_vocab = padded_vocab_size(vocab_size)
         std = 0.02
         out_std = std / math.sqrt(2.0 * num_layers)  # GPT-2's scaled init of the residual projections
 

@@ -97,10 +97,6 @@ class Canvas:
             i = 3 * (y * self.width + x)
             self.pixels[i:i + 3] = bytes(color)
 
-    def get(self, x: int, y: int) -> Color:
-        i = 3 * (y * self.width + x)
-        return self.pixels[i], self.pixels[i + 1], self.pixels[i + 2]
-
     def hline(self, x0: int, x1: int, y: int, color: Color) -> None:
         for x in range(min(x0, x1), max(x0, x1) + 1):
             self.set(x, y, color)

@@ -44,7 +44,7 @@ from tachyon.train.config import TrainConfig
 from tachyon.train.models import GPT, BertMLM, count_parameters
 from tachyon.train.plot import plot_training
 
-__all__ = ["METRIC_COLUMNS", "ResumeError", "TrainResult", "build_model", "read_metrics", "train"]
+__all__ = ["METRIC_COLUMNS", "TrainResult", "build_model", "read_metrics", "train"]
 
 METRIC_COLUMNS = ("step", "loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s", "step_time_s")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -60,7 +60,6 @@ class TrainResult:
     rows: list[dict[str, float]] = field(default_factory=list)
     validation_loss: float | None = None
     checkpoints: list[str] = field(default_factory=list)
-    checkpointing: bool = True
 
 
 def _rank_seed(seed: int, rank: int) -> int:
@@ -129,49 +128,26 @@ def _epoch_loader(dataset: Any, sampler: Any, epoch: int, skip_batches: int, mic
     return DataLoader(dataset, batch_size=micro_batch, sampler=indices, collate_fn=collate)
 
 
-def _loss_scale(engine: Any) -> float | None:
-    scale = getattr(engine, "loss_scale", None)
-    if scale is None:
-        optimizer = getattr(engine, "optimizer", None)
-        scale = getattr(optimizer, "cur_scale", None) or getattr(optimizer, "loss_scale", None)
-    return None if scale is None else float(scale)
-
-
 def _or_nan(value: float | None) -> float:
     return math.nan if value is None else value
 
 
-def _lr(engine: Any) -> float:
-    lrs = engine.get_lr()
-    return float(lrs[0]) if isinstance(lrs, (list, tuple)) and lrs else float(lrs or 0.0)
-
-
-class ResumeError(RuntimeError):
-    """--resume cannot work here (the engine cannot load checkpoints)."""
-
-
 class _Checkpointer:
-    """engine.save_checkpoint / load_checkpoint where the engine has them (a notice otherwise)."""
+    """engine.save_checkpoint / load_checkpoint into ``directory``, each tag saved once."""
 
-    def __init__(self, engine: Any, directory: Path, rank: int) -> None:
-        self.engine, self.directory, self.rank = engine, directory, rank
+    def __init__(self, engine: Any, directory: Path) -> None:
+        self.engine, self.directory = engine, directory
         self.saved: list[str] = []
-        self.available = hasattr(engine, "save_checkpoint") and hasattr(engine, "load_checkpoint")
-        if not self.available and rank == 0:
-            print("tachyon train: this engine has no save_checkpoint/load_checkpoint; no checkpoints are written",
-                  file=sys.stderr)
 
     def save(self, step: int, client_state: dict[str, Any]) -> None:
-        if not self.available or f"global_step{step}" in self.saved:
-            return
         tag = f"global_step{step}"
+        if tag in self.saved:
+            return
         self.engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state)
         self.saved.append(tag)
 
     def load(self) -> dict[str, Any] | None:
         """The client state of the latest checkpoint, or None when there is none to load."""
-        if not self.available:
-            raise ResumeError("--resume needs engine.load_checkpoint, which this engine does not have")
         if not self.directory.is_dir():
             return None
         path, client_state = self.engine.load_checkpoint(str(self.directory))
@@ -209,15 +185,12 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
     )
     rank, world = _rank_and_world()
     torch.manual_seed(_rank_seed(config.seed, rank))  # per-rank dropout seeds of the TE-style layers
-    device = getattr(engine, "device", torch.device("cpu"))
-    micro_batch = engine.train_micro_batch_size_per_gpu()
-    sampler = getattr(dataloader, "sampler", None)
-    if sampler is None or not hasattr(sampler, "set_epoch"):
-        sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, seed=config.seed)
+    device = engine.device
+    sampler = dataloader.sampler  # a DistributedSampler over the data-parallel ranks
 
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
-    checkpointer = _Checkpointer(engine, output_dir / "checkpoints", rank)
+    checkpointer = _Checkpointer(engine, output_dir / "checkpoints")
     epoch, batches_in_epoch = 0, 0
     if resume:
         state = checkpointer.load()
@@ -234,7 +207,7 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
     first_step = engine.global_steps + 1
     if rank == 0:
         print(f"tachyon train: {config.model}, {n_params / 1e6:.2f} M parameters, {world} process(es) on "
-              f"{device.type}, {precision}, ZeRO stage {engine_config.get('zero_optimization', {}).get('stage', 0)}, "
+              f"{device.type}, {precision}, ZeRO stage {engine.zero_optimization_stage()}, "
               f"global batch {engine.train_batch_size()} x {config.seq_len} tokens, steps {first_step}-{config.steps}, "
               f"output {output_dir}", flush=True)
 
@@ -267,11 +240,9 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
             loss_value = stats.global_loss
             if loss_value is None:
                 loss_value, = _mean_over_ranks([stats.loss.item()], device)
-            grad_norm = engine.get_global_grad_norm()
-            scale = _loss_scale(engine)
-            rows.append({"step": step, "loss": loss_value, "lr": _lr(engine),
-                         "grad_norm": math.nan if grad_norm is None else float(grad_norm),
-                         "loss_scale": math.nan if scale is None else scale,
+            lrs = engine.get_lr()
+            rows.append({"step": step, "loss": loss_value, "lr": float(lrs[0]) if lrs else 0.0,
+                         "grad_norm": _or_nan(engine.get_global_grad_norm()), "loss_scale": engine.loss_scale,
                          "samples_per_s": _or_nan(stats.samples_per_s), "tokens_per_s": _or_nan(stats.tokens_per_s),
                          "step_time_s": stats.step_time_s})
             if bar is not None:
@@ -293,16 +264,15 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
         checkpointer.save(last_step, {"epoch": epoch, "batches_in_epoch": batches_in_epoch, "step": last_step})
     validation_loss = _evaluate(engine, val_set, config.eval_batches, micro_batch, rank, world, device)
     memory = _memory_per_rank(engine, device)
-    result = TrainResult(first_step, last_step, rows if rank == 0 else [], validation_loss, checkpointer.saved,
-                         checkpointer.available)
+    result = TrainResult(first_step, last_step, rows if rank == 0 else [], validation_loss, checkpointer.saved)
     if rank == 0:
         all_rows = _write_metrics(output_dir / "metrics.csv", rows, first_step)
         title = f"{config.model}, {world} x {device.type}, {precision}"
         if all_rows:
             plot_training(output_dir / "loss.png", [int(r["step"]) for r in all_rows], [r["loss"] for r in all_rows],
                           [r["tokens_per_s"] for r in all_rows], title=title)
-        summary = _summary(config, engine, engine_config, precision, world, device, n_params, vocab_size, result,
-                           all_rows, memory, time.perf_counter() - started, output_dir)
+        summary = _summary(config, engine, precision, world, device, n_params, vocab_size, result, all_rows, memory,
+                           time.perf_counter() - started, output_dir)
         (output_dir / "summary.txt").write_text(summary)
         print(summary, end="", flush=True)
     telemetry.close()
@@ -327,9 +297,7 @@ def _evaluate(engine: Any, dataset: Any, batches: int, micro_batch: int, rank: i
 
 def _memory_per_rank(engine: Any, device: torch.device) -> list[dict[str, float]]:
     """Every rank's engine.memory_breakdown() (bytes) plus its peak memory, gathered on all ranks."""
-    mine: dict[str, float] = {}
-    if hasattr(engine, "memory_breakdown"):
-        mine.update({k: float(v) for k, v in engine.memory_breakdown().items()})
+    mine = {k: float(v) for k, v in engine.memory_breakdown().items()}
     if device.type == "cuda":
         mine["peak_allocated"] = float(torch.cuda.max_memory_allocated(device))
     else:
@@ -369,7 +337,7 @@ def _mib(value: float) -> str:
     return f"{value / 2**20:.1f}"
 
 
-def _summary(config: TrainConfig, engine: Any, engine_config: dict, precision: str, world: int, device: torch.device,
+def _summary(config: TrainConfig, engine: Any, precision: str, world: int, device: torch.device,
              n_params: int, vocab_size: int, result: TrainResult, table: list[dict[str, float]],
              memory: list[dict[str, float]], wall_s: float, output_dir: Path) -> str:
     window = max(1, min(10, len(table) // 4)) if table else 1
@@ -383,7 +351,7 @@ def _summary(config: TrainConfig, engine: Any, engine_config: dict, precision: s
         f"{config.num_heads} heads, {n_params / 1e6:.2f} M parameters), {config.tokenizer} tokenizer "
         f"({vocab_size} ids), seq_len {config.seq_len}",
         f"job: {world} process(es) on {device.type}, {precision}, ZeRO stage "
-        f"{engine_config.get('zero_optimization', {}).get('stage', 0)}, global batch {engine.train_batch_size()} "
+        f"{engine.zero_optimization_stage()}, global batch {engine.train_batch_size()} "
         f"(micro-batch {engine.train_micro_batch_size_per_gpu()} x {engine.gradient_accumulation_steps()} "
         f"accumulation x {world} ranks)",
         f"steps: {result.last_step} of {config.steps} (this run: "
@@ -404,10 +372,7 @@ def _summary(config: TrainConfig, engine: Any, engine_config: dict, precision: s
     for rank, entry in enumerate(memory):
         parts = ", ".join(f"{k} {_mib(v)}" for k, v in entry.items())
         lines.append(f"  rank {rank}: {parts}")
-    if not result.checkpointing:
-        lines.append("checkpoints: none written (the engine has no save_checkpoint)")
-    else:
-        saved = ", ".join(result.checkpoints) or "nothing new"
-        lines.append(f"checkpoints: {output_dir / 'checkpoints'} (this run saved {saved})")
+    saved = ", ".join(result.checkpoints) or "nothing new"
+    lines.append(f"checkpoints: {output_dir / 'checkpoints'} (this run saved {saved})")
     lines.append(f"files: {output_dir / 'metrics.csv'}, {output_dir / 'loss.png'}, {output_dir / 'summary.txt'}")
     return "\n".join(lines) + "\n"

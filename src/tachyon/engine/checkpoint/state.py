@@ -71,10 +71,6 @@ def param_names(engine) -> list[str]:
     return out
 
 
-def _trained_ids(engine) -> set[int]:
-    return {id(slot.param) for slot in engine.zero.flat.slots}
-
-
 def model_state_keys(engine) -> dict[str, dict[str, Any]]:
     """Every key of ``module.state_dict()``: a trained parameter (restored from its master) or
     a frozen parameter / buffer (saved as is). Tied parameters appear under each of their keys."""
@@ -256,11 +252,7 @@ def commit(engine, meta: dict, targets: LoadTargets, *, optimizer: bool) -> None
     current = engine.module.state_dict(keep_vars=True)
     for key, tensor in targets.model.items():
         current[key].copy_(tensor)
-    if not zero.master_alias:
-        for master, (begin, end) in zip(zero.masters, zero.master_ranges):
-            zero.flat.buffer.narrow(0, begin, end - begin).copy_(master)
-    if zero.partitioned_masters and zero.world_size > 1:
-        zero._all_gather()
+    zero.after_step()  # the masters into the model buffer, then the partitions all-gathered
 
 
 # ---------------------------------------------------------------------- RNG

@@ -1,11 +1,23 @@
-"""What the fused optimizers share: checking Adam-family hyperparameters, and keeping their fp32
-states fp32 through load_state_dict."""
+"""What the fused optimizers share: checking Adam-family hyperparameters, their per-parameter
+state (torch.optim.AdamW's layout), and keeping its fp32 tensors fp32 through load_state_dict."""
 
 from __future__ import annotations
 
 import itertools
 
 import torch
+
+
+def advance_adam_state(state: dict, p: torch.Tensor) -> int:
+    """Count one more step in ``p``'s optimizer ``state`` and return the new step count; on first
+    use create it as torch.optim.AdamW does: ``step`` (a float32 CPU scalar tensor), ``exp_avg``
+    and ``exp_avg_sq`` (fp32 zeros shaped like ``p``, whatever ``p``'s dtype)."""
+    if len(state) == 0:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+    state["step"] += 1
+    return int(state["step"].item())
 
 
 def restore_fp32_states(optimizer: torch.optim.Optimizer, state_dict: dict, keys: tuple[str, ...]) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from tachyon.backend import BACKENDS
-from tachyon.engine.optim._state import check_adam_hyperparameters, restore_fp32_states
+from tachyon.engine.optim._state import advance_adam_state, check_adam_hyperparameters, restore_fp32_states
 from tachyon.kernels.adam import multi_tensor_adam
 
 
@@ -54,16 +54,11 @@ class FusedAdam(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise ValueError("FusedAdam: sparse gradients are not supported")
                 state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-                state["step"] += 1
+                steps.append(advance_adam_state(state, p))
                 params.append(p)
                 grads.append(p.grad)
                 exp_avgs.append(state["exp_avg"])
                 exp_avg_sqs.append(state["exp_avg_sq"])
-                steps.append(int(state["step"].item()))
             by_device: dict[torch.device, list[int]] = {}
             for i, p in enumerate(params):
                 by_device.setdefault(p.device, []).append(i)

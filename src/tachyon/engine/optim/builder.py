@@ -18,16 +18,13 @@ from typing import Any
 
 import torch
 
+from tachyon.config import OPTIMIZER_PARAMS
 from tachyon.engine.optim.adam import FusedAdam
 from tachyon.engine.optim.lamb import Lamb
 
-OPTIMIZERS = ("Adam", "AdamW", "Lamb", "SGD")
-_ACCEPTED = {
-    "Adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode", "bias_correction"),
-    "Lamb": ("lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff", "bias_correction"),
-    "SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
-}
-_ACCEPTED["AdamW"] = _ACCEPTED["Adam"]
+OPTIMIZERS = tuple(OPTIMIZER_PARAMS)
+_ACCEPTED = {name: tuple(model.model_fields) for name, model in OPTIMIZER_PARAMS.items()}
+"""The ``params`` keys each type takes: the config section's own models (tachyon.config.optim)."""
 
 
 def _type_and_params(optimizer_config: Any) -> tuple[str, dict[str, Any]]:

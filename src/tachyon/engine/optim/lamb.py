@@ -40,7 +40,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from tachyon.engine.optim._state import check_adam_hyperparameters, restore_fp32_states
+from tachyon.engine.optim._state import advance_adam_state, check_adam_hyperparameters, restore_fp32_states
 
 NormReducer = Callable[[Tensor], None]
 
@@ -140,12 +140,7 @@ class Lamb(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise ValueError("Lamb: sparse gradients are not supported")
                 state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-                state["step"] += 1
-                t = int(state["step"].item())
+                t = advance_adam_state(state, p)
                 g = p.grad.float()
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.mul_(beta1).add_(g, alpha=1.0 - beta1)

@@ -122,8 +122,3 @@ class FlatParameters:
     def num_params(self) -> int:
         """Trainable elements (without padding)."""
         return sum(slot.numel for slot in self.slots)
-
-    def region_view(self, region: GroupRegion, begin: int | None = None, end: int | None = None) -> torch.Tensor:
-        begin = region.start if begin is None else begin
-        end = region.start + region.numel if end is None else end
-        return self.buffer.narrow(0, begin, end - begin)

@@ -58,21 +58,24 @@ def _act(h: torch.Tensor, name: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {name!r}; allowed: {', '.join(map(repr, ACTIVATIONS))}")
 
 
-def _act_and_grad(h: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(act(h), act'(h)) on fp32 h, from the closed forms in the module docstring."""
+def _act_and_grad(h: torch.Tensor, name: str, grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(act(h), act'(h)) on fp32 h, from the closed forms in the module docstring; act'(h) is None
+    when not ``grad`` (the forward pass: only act(h) is computed)."""
     if name == "gelu":
         cdf = 0.5 * (1.0 + torch.erf(h * (1.0 / math.sqrt(2.0))))
-        return h * cdf, cdf + h * torch.exp(-0.5 * h * h) * _INV_SQRT_2PI
+        return h * cdf, (cdf + h * torch.exp(-0.5 * h * h) * _INV_SQRT_2PI if grad else None)
     if name == "gelu_tanh":
         t = torch.tanh(_SQRT_2_OVER_PI * (h + 0.044715 * h * h * h))
+        if not grad:
+            return 0.5 * h * (1.0 + t), None
         d = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * h * h)
         return 0.5 * h * (1.0 + t), d
     if name == "relu":
-        return torch.clamp_min(h, 0.0), (h > 0).to(h.dtype)
+        return torch.clamp_min(h, 0.0), ((h > 0).to(h.dtype) if grad else None)
     if name in ("silu", "qgelu"):
         k = 1.0 if name == "silu" else 1.702
         s = torch.sigmoid(k * h)
-        return h * s, s * (1.0 + k * h * (1.0 - s))
+        return h * s, (s * (1.0 + k * h * (1.0 - s)) if grad else None)
     raise ValueError(f"unknown activation {name!r}; allowed: {', '.join(map(repr, ACTIVATIONS))}")
 
 
@@ -108,9 +111,9 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, activation: str
         h = _pre_activation(x, bias)
         if is_gated(activation):
             a, b = h.chunk(2, dim=-1)
-            y, _ = _act_and_grad(a, GATED[activation])
+            y, _ = _act_and_grad(a, GATED[activation], grad=False)
             return (y * b).to(x.dtype)
-        y, _ = _act_and_grad(h, activation)
+        y, _ = _act_and_grad(h, activation, grad=False)
         return y.to(x.dtype)
 
 

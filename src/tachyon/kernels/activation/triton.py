@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 
 from tachyon.kernels.activation.reference import GATED
+from tachyon.kernels.tiling import row_split, tiles
 
 # activation name -> the constexpr code the kernels switch on (gated names use their gate's code)
 _CODES = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3, "qgelu": 4}
-_TILE = 4096  # elements per program tile: 16-32 per thread at 4-8 warps
 
 
 def _code(activation: str) -> int:
@@ -151,12 +151,6 @@ def _bias_act_bwd_kernel(
             tl.store(DB_PART + pid_m * K + F + cols, db_g, mask=col_ok)
 
 
-def _blocks(f: int) -> tuple[int, int, int]:
-    block_n = min(triton.next_power_of_2(f), 1024)
-    block_m = max(1, _TILE // block_n)
-    return block_m, block_n, 8 if block_m * block_n >= 4096 else 4
-
-
 def bias_act_fwd(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     """x: [M, K] with unit stride in the last dim, bias: [K] or None -> y: [M, F] in x's dtype."""
     gated = activation in GATED
@@ -165,7 +159,7 @@ def bias_act_fwd(x: torch.Tensor, bias: torch.Tensor | None, activation: str) ->
     y = torch.empty((m, f), dtype=x.dtype, device=x.device)
     if m == 0 or f == 0:
         return y
-    block_m, block_n, num_warps = _blocks(f)
+    block_m, block_n, num_warps = tiles(f)
     grid = (triton.cdiv(m, block_m), triton.cdiv(f, block_n))
     _bias_act_fwd_kernel[grid](
         x, bias if bias is not None else x, y, m, f, x.stride(0), y.stride(0),
@@ -173,15 +167,6 @@ def bias_act_fwd(x: torch.Tensor, bias: torch.Tensor | None, activation: str) ->
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return y
-
-
-def _row_programs(row_blocks: int, col_blocks: int, device: torch.device) -> int:
-    """How many programs split the rows: enough to fill the GPU, few under the interpreter."""
-    if device.type == "cuda":
-        target = 8 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 4  # interpreter: each program costs milliseconds
-    return max(1, min(row_blocks, triton.cdiv(target, col_blocks)))
 
 
 def bias_act_bwd(
@@ -194,11 +179,9 @@ def bias_act_bwd(
     dx = torch.empty((m, k), dtype=x.dtype, device=x.device)
     if m == 0 or f == 0:
         return dx, (torch.zeros_like(bias) if bias is not None else None)
-    block_m, block_n, num_warps = _blocks(f)
+    block_m, block_n, num_warps = tiles(f)
     col_blocks = triton.cdiv(f, block_n)
-    programs = _row_programs(triton.cdiv(m, block_m), col_blocks, x.device)
-    rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
-    programs = triton.cdiv(m, rows_per_program)
+    programs, rows_per_program = row_split(m, block_m, col_blocks, x.device)
     db_part = torch.empty((programs, k), dtype=torch.float32, device=x.device) if bias is not None else None
     _bias_act_bwd_kernel[(programs, col_blocks)](
         dy, x, bias if bias is not None else x, dx, db_part if db_part is not None else dx,

@@ -25,7 +25,7 @@ from torch import Tensor
 from tachyon.backend import resolve
 from tachyon.kernels.attention import reference
 from tachyon.kernels.common import check_dtype, check_same_device
-from tachyon.kernels.random import check_seed
+from tachyon.kernels.random import check_seed, join_seed, split_seed
 from tachyon.kernels.registry import fused_op
 
 OP = "attention"
@@ -42,7 +42,7 @@ def _attention_fwd(
     only matters to the backward (setup_context keeps it).
     Returns (out [b, h, sq, d] contiguous in q's dtype, lse [b, h, sq] fp32)."""
     del deterministic
-    s = seed_tensor if seed_tensor is not None else seed
+    s = join_seed(seed, seed_tensor)
     if backend == "triton":
         from tachyon.kernels.attention import triton as tri
 
@@ -63,7 +63,7 @@ def _attention_bwd(
     deterministic: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv), contiguous, in the dtypes and shapes of q, k, v."""
-    s = seed_tensor if seed_tensor is not None else seed
+    s = join_seed(seed, seed_tensor)
     if backend == "triton":
         from tachyon.kernels.attention import triton as tri
 
@@ -193,10 +193,8 @@ def attention(
         )
     bias = reference.masked_bias(key_padding_bias)
     dropout_p = float(dropout_p)
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    seed_int, seed_tensor = 0, None
-    if dropout_p > 0.0:
-        seed_int, seed_tensor = (0, seed) if isinstance(seed, Tensor) else (int(seed), None)
+    scale = reference.default_scale(head_dim, softmax_scale)
+    seed_int, seed_tensor = split_seed(seed) if dropout_p > 0.0 else (0, None)
     out, _ = _attention_fwd(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), bias, bool(causal), dropout_p,
         seed_int, seed_tensor, scale, deterministic, chosen,

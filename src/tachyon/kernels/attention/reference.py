@@ -59,7 +59,8 @@ def masked_bias(key_padding_bias: torch.Tensor | None) -> torch.Tensor | None:
     return bias.masked_fill(bias <= MASKED_BIAS, float("-inf")).contiguous()
 
 
-def _default_scale(head_dim: int, softmax_scale: float | None) -> float:
+def default_scale(head_dim: int, softmax_scale: float | None) -> float:
+    """The softmax scale in force: ``softmax_scale``, or 1 / sqrt(head_dim) when it is None."""
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
@@ -90,7 +91,7 @@ def _attention_math(q, k, v, causal, key_padding_bias, dropout_p, seed, softmax_
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
     group = heads // k.shape[1]
-    scale = _default_scale(head_dim, softmax_scale)
+    scale = default_scale(head_dim, softmax_scale)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp64 in: an fp64 oracle
     work = acc if upcast else q.dtype
     qw = q.to(work)
@@ -303,7 +304,7 @@ def sdpa_attention(
     """
     heads, kv_heads = q.shape[1], k.shape[1]
     seq_q, seq_k = q.shape[2], k.shape[2]
-    scale = _default_scale(q.shape[-1], softmax_scale)
+    scale = default_scale(q.shape[-1], softmax_scale)
     mask = None
     is_causal = causal and key_padding_bias is None and seq_q == seq_k
     if (causal and not is_causal) or key_padding_bias is not None:

@@ -41,7 +41,6 @@ import triton.language as tl
 from tachyon.backend import triton_interpreting
 from tachyon.kernels.random.triton import load_seed, seed_args
 
-MAX_HEAD_DIM = 256
 LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -67,6 +66,19 @@ _FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64
                          (32, 32, 4, 1)])
 _DKDV_CONFIGS = _configs([(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 1)])
 _DQ_CONFIGS = _configs([(128, 64, 8, 2), (64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1)])
+
+
+@triton.jit
+def _key_range(pid_m, seq_k, diag, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(full_hi, hi) for the query block pid_m: keys [0, full_hi) need no mask; [full_hi, hi) cross
+    seq_k or the causal diagonal; keys >= hi are masked for every row of the block (causal) and
+    are skipped. Query i sees keys j <= i + diag when causal."""
+    full_hi = (seq_k // BLOCK_N) * BLOCK_N
+    hi = seq_k
+    if IS_CAUSAL:
+        hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + diag)
+        full_hi = tl.minimum(full_hi, (tl.maximum(pid_m * BLOCK_M + diag + 1, 0) // BLOCK_N) * BLOCK_N)
+    return full_hi, hi
 
 
 @triton.jit
@@ -141,13 +153,7 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_offsets = (bh * seq_q + offs_m) * seq_k  # int64 dropout offsets of column 0
-    # keys [0, full_hi) need no mask; [full_hi, hi) cross seq_k or the diagonal; keys >= hi are
-    # masked for every row of this block (causal) and are skipped
-    full_hi = (seq_k // BLOCK_N) * BLOCK_N
-    hi = seq_k
-    if IS_CAUSAL:
-        hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + diag)
-        full_hi = tl.minimum(full_hi, (tl.maximum(pid_m * BLOCK_M + diag + 1, 0) // BLOCK_N) * BLOCK_N)
+    full_hi, hi = _key_range(pid_m, seq_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_hi, BLOCK_N):
         acc, l_i, m_i = _fwd_block(
             acc, l_i, m_i, q, k_base, v_base, bias_row, start_n, offs_m, offs_n, offs_d, d_valid, row_offsets,
@@ -364,11 +370,7 @@ def _bwd_dq_kernel(
     diag = seq_k - seq_q
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_offsets = (bh * seq_q + offs_m) * seq_k
-    full_hi = (seq_k // BLOCK_N) * BLOCK_N  # same split as the forward
-    hi = seq_k
-    if IS_CAUSAL:
-        hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + diag)
-        full_hi = tl.minimum(full_hi, (tl.maximum(pid_m * BLOCK_M + diag + 1, 0) // BLOCK_N) * BLOCK_N)
+    full_hi, hi = _key_range(pid_m, seq_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)  # the forward's split
     for start_n in range(0, full_hi, BLOCK_N):
         dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, bias_row, start_n, offs_m, offs_n, offs_d, d_valid,
                        row_offsets, stride_kn, stride_vn, seq_k, diag, sm_scale * LOG2E, dropout_p, inv_keep, seed,

@@ -30,7 +30,7 @@ from torch import Tensor
 from tachyon.backend import resolve
 from tachyon.kernels.common import check_dtype, check_same_device, check_shape
 from tachyon.kernels.dropout import reference
-from tachyon.kernels.random import check_seed
+from tachyon.kernels.random import check_seed, join_seed, split_seed
 from tachyon.kernels.registry import fused_op
 
 MAX_TRITON_N = 65536  # rows of the fused LayerNorm kernel are one Triton block
@@ -46,15 +46,6 @@ def _tri():
     return tri
 
 
-def _seed(seed: int, seed_tensor: Tensor | None) -> int | Tensor:
-    return seed_tensor if seed_tensor is not None else seed
-
-
-def _split_seed(seed: int | Tensor) -> tuple[int, Tensor | None]:
-    """(int seed, tensor seed or None) as the custom ops take them."""
-    return (0, seed) if isinstance(seed, Tensor) else (int(seed), None)
-
-
 # --- bias + dropout + residual ------------------------------------------------------------------
 
 @fused_op("tachyon::bias_dropout_add_fwd", mutates_args=())
@@ -62,7 +53,7 @@ def _bda_fwd(x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float, 
              backend: str) -> Tensor:
     """x, residual: [M, N] contiguous; p == 0 means no dropout. Returns out [M, N] in x's dtype."""
     impl = _tri().bias_dropout_add_fwd if backend == "triton" else reference.bias_dropout_add_forward
-    return impl(x, bias, residual, p, _seed(seed, seed_tensor))
+    return impl(x, bias, residual, p, join_seed(seed, seed_tensor))
 
 
 @_bda_fwd.register_fake
@@ -75,7 +66,7 @@ def _dropout_bwd(dout: Tensor, p: float, seed: int, seed_tensor: Tensor | None, 
                  backend: str) -> tuple[Tensor, Tensor]:
     """dout: [M, N]. Returns (dx = where(keep, dout / (1 - p), 0), fp32 row sum of dx or an empty tensor)."""
     impl = _tri().dropout_bwd if backend == "triton" else reference.bias_dropout_backward
-    dx, db = impl(dout, p, _seed(seed, seed_tensor), want_dbias, dout.dtype)
+    dx, db = impl(dout, p, join_seed(seed, seed_tensor), want_dbias, dout.dtype)
     return dx, (db if db is not None else _empty(dout))
 
 
@@ -118,7 +109,7 @@ def _bdan_fwd(
     """x, residual: [M, N] contiguous. Returns (y, z, mean, rstd); mean, rstd fp32 [M]."""
     del invertible  # only changes what setup_context saves
     impl = _tri().bias_dropout_add_norm_fwd if backend == "triton" else reference.bias_dropout_add_norm_forward
-    return impl(x, bias, residual, weight, ln_bias, eps, p, _seed(seed, seed_tensor), rms)
+    return impl(x, bias, residual, weight, ln_bias, eps, p, join_seed(seed, seed_tensor), rms)
 
 
 @_bdan_fwd.register_fake
@@ -137,16 +128,11 @@ def _bdan_bwd(
 
     dresidual is only computed when ``want_dres`` and p > 0; otherwise it equals dx.
     """
-    seed = _seed(seed, seed_tensor)
-    if backend == "triton":
-        dx, dres, db, dw, dlnb = _tri().bias_dropout_add_norm_bwd(
-            dy, saved, dz_out, weight, ln_bias, mean, rstd, p, seed, rms, from_output, want_dbias, want_dres,
-        )
-    else:
-        dx, dres, db, dw, dlnb = reference.bias_dropout_add_norm_backward(
-            dy, saved, dz_out, weight, ln_bias, mean, rstd, p, seed, rms, from_output, want_dbias,
-        )
-        dres = dres if want_dres and p > 0 else None
+    impl = _tri().bias_dropout_add_norm_bwd if backend == "triton" else reference.bias_dropout_add_norm_backward
+    dx, dres, db, dw, dlnb = impl(
+        dy, saved, dz_out, weight, ln_bias, mean, rstd, p, join_seed(seed, seed_tensor), rms, from_output, want_dbias,
+        want_dres,
+    )
     return (dx, dres if dres is not None else _empty(dy), db if db is not None else _empty(dy), dw,
             dlnb if dlnb is not None else _empty(weight))
 
@@ -219,7 +205,7 @@ def _check_common(
     if p == 0.0:
         return 0.0, 0, None
     seed = check_seed(op, seed, x.device, f" when dropout is active (p={p}, training=True)")
-    return (p, *_split_seed(seed))
+    return (p, *split_seed(seed))
 
 
 def bias_dropout_add(

@@ -100,16 +100,17 @@ def bias_dropout_add_norm_forward(
 def bias_dropout_add_norm_backward(
     dy: torch.Tensor, saved: torch.Tensor, dz_out: torch.Tensor | None, weight: torch.Tensor,
     ln_bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, p: float, seed: int | torch.Tensor, rms: bool,
-    from_output: bool, want_dbias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    from_output: bool, want_dbias: bool, want_dres: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Explicit backward. ``saved`` is z, or y when ``from_output`` (the invertible form).
 
-    Returns (dx, dresidual, fp32 dbias or None, dweight, dln_bias or None); dx and dresidual in
-    dy's dtype (the dtype of x and residual).
+    Returns (dx, dresidual or None, fp32 dbias or None, dweight, dln_bias or None); dx and
+    dresidual in dy's dtype (the dtype of x and residual). As in the Triton launcher, dresidual
+    is only returned when ``want_dres`` and there is dropout (without dropout it equals dx).
     """
     with torch.no_grad():
         dz, dw, dlnb = norm_backward(
             dy, saved, dz_out, weight, ln_bias, mean, rstd, rms, from_output, torch.float32,
         )
         dx, dbias = bias_dropout_backward(dz, p, seed, want_dbias, dy.dtype)
-        return dx, dz.to(dy.dtype), dbias, dw, dlnb
+        return dx, (dz.to(dy.dtype) if want_dres and p > 0 else None), dbias, dw, dlnb

@@ -20,7 +20,8 @@ form ((y - ln_b) / w),
     g = dy * w;  dz = rstd * (g - xhat * mean(g * xhat) - mean(g))   (no mean(g) term for RMSNorm)
     dz += dz_out;  dresidual = dz;  dx = where(keep, dz * scale, 0)
 
-accumulating dweight (dy * xhat), dln_bias (dy) and dbias (dx) partials per program.
+accumulating dweight (dy * xhat), dln_bias (dy) and dbias (dx) partials per program. The norm's
+row math (statistics; xhat and dz) is kernels/layernorm's ``row_stats`` / ``row_grad``.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tachyon.kernels.dropout.reference import dropout_scale
+from tachyon.kernels.layernorm.triton import row_config, row_grad, row_stats
 from tachyon.kernels.random.triton import load_seed, seed_args
-
-MAX_FUSED_N = 65536  # one row is one block in the fused LayerNorm kernels
-_TILE = 4096
+from tachyon.kernels.tiling import max_programs, row_split, tiles
 
 
 @triton.jit
@@ -104,14 +105,8 @@ def _bda_norm_fwd_kernel(
         h += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     z = h.to(Z.dtype.element_ty)
     tl.store(Z + row * stride_z + cols, z, mask=mask)
-    z = z.to(tl.float32)
-    if IS_RMS:
-        mean = 0.0
-        centered = tl.where(mask, z, 0.0)
-    else:
-        mean = tl.sum(z, axis=0) / N
-        centered = tl.where(mask, z - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / N + eps)
+    z = z.to(tl.float32)  # 0 past N, like every term summed into it
+    mean, rstd, centered = row_stats(z, mask, N, eps, IS_RMS)
     tl.store(MEAN + row, mean)
     tl.store(RSTD + row, rstd)
     y = centered * rstd * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
@@ -133,6 +128,7 @@ def _bda_norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    lnb = w  # placeholder, read only when HAS_LNB
     if HAS_LNB:
         lnb = tl.load(LNB + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -145,19 +141,7 @@ def _bda_norm_bwd_kernel(
         dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         saved = tl.load(SAVED + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + row)
-        if FROM_OUTPUT:
-            if HAS_LNB:
-                saved = saved - lnb
-            xhat = tl.where(mask, saved / tl.where(mask, w, 1.0), 0.0)
-        elif IS_RMS:
-            xhat = saved * rstd
-        else:
-            xhat = tl.where(mask, (saved - tl.load(MEAN + row)) * rstd, 0.0)
-        g = dy * w
-        if IS_RMS:
-            dz = (g - xhat * (tl.sum(xhat * g, axis=0) / N)) * rstd
-        else:
-            dz = (g - xhat * (tl.sum(xhat * g, axis=0) / N) - tl.sum(g, axis=0) / N) * rstd
+        dz, xhat = row_grad(dy, saved, w, lnb, MEAN, row, rstd, mask, N, IS_RMS, HAS_LNB, FROM_OUTPUT)
         if HAS_DZ_OUT:
             dz += tl.load(DZ_OUT + row * stride_dzo + cols, mask=mask, other=0.0).to(tl.float32)
         if STORE_DRES:
@@ -179,22 +163,6 @@ def _bda_norm_bwd_kernel(
         tl.store(DB_PART + pid * N + cols, db, mask=mask)
 
 
-def _scale(p: float) -> float:
-    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
-
-
-def _tiles(n: int) -> tuple[int, int, int]:
-    block_n = min(triton.next_power_of_2(n), 1024)
-    block_m = max(1, _TILE // block_n)
-    return block_m, block_n, 8 if block_m * block_n >= 4096 else 4
-
-
-def _max_programs(device: torch.device) -> int:
-    if device.type == "cuda":
-        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter: each program costs milliseconds
-
-
 def bias_dropout_add_fwd(
     x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, p: float, seed: int | torch.Tensor,
 ) -> torch.Tensor:
@@ -204,12 +172,12 @@ def bias_dropout_add_fwd(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    block_m, block_n, num_warps = _tiles(n)
+    block_m, block_n, num_warps = tiles(n)
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, out)
     _bda_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x, bias if bias is not None else x, residual if residual is not None else x, out,
         m, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), seed_int, seed_ptr,
-        p, _scale(p), HAS_BIAS=bias is not None, HAS_RES=residual is not None, DROPOUT=p > 0,
+        p, dropout_scale(p), HAS_BIAS=bias is not None, HAS_RES=residual is not None, DROPOUT=p > 0,
         SEED_FROM_PTR=seed_from_ptr, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return out
@@ -223,23 +191,17 @@ def dropout_bwd(
     dx = torch.empty((m, n), dtype=dx_dtype, device=dout.device)
     if dx.numel() == 0:
         return dx, (torch.zeros(n, dtype=torch.float32, device=dout.device) if want_dbias else None)
-    block_m, block_n, num_warps = _tiles(n)
+    block_m, block_n, num_warps = tiles(n)
     col_blocks = triton.cdiv(n, block_n)
-    programs = max(1, min(triton.cdiv(m, block_m), triton.cdiv(_max_programs(dout.device), col_blocks)))
-    rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
-    programs = triton.cdiv(m, rows_per_program)
+    programs, rows_per_program = row_split(m, block_m, col_blocks, dout.device)
     db_part = torch.empty((programs, n), dtype=torch.float32, device=dout.device) if want_dbias else None
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, dx)
     _bda_bwd_kernel[(programs, col_blocks)](
         dout, dx, db_part if db_part is not None else dx, m, n, dout.stride(0), dx.stride(0), rows_per_program,
-        seed_int, seed_ptr, p, _scale(p), HAS_BIAS=want_dbias, DROPOUT=p > 0,
+        seed_int, seed_ptr, p, dropout_scale(p), HAS_BIAS=want_dbias, DROPOUT=p > 0,
         SEED_FROM_PTR=seed_from_ptr, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return dx, (db_part.sum(0) if db_part is not None else None)
-
-
-def _norm_warps(block_n: int) -> int:
-    return min(max(block_n // 256, 1), 16)
 
 
 def bias_dropout_add_norm_fwd(
@@ -250,19 +212,19 @@ def bias_dropout_add_norm_fwd(
     m, n = x.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     z = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    mean = torch.zeros(m, dtype=torch.float32, device=x.device)
+    mean = torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
         return y, z, mean, rstd
-    block_n = triton.next_power_of_2(n)
+    block_n, num_warps = row_config(n)
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, rstd)
     _bda_norm_fwd_kernel[(m,)](
         x, bias if bias is not None else x, residual if residual is not None else x, weight,
         ln_bias if ln_bias is not None else weight, y, z, mean, rstd,
         n, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), z.stride(0),
-        eps, seed_int, seed_ptr, p, _scale(p),
+        eps, seed_int, seed_ptr, p, dropout_scale(p),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_LNB=ln_bias is not None, DROPOUT=p > 0,
-        SEED_FROM_PTR=seed_from_ptr, IS_RMS=rms, BLOCK_N=block_n, num_warps=_norm_warps(block_n),
+        SEED_FROM_PTR=seed_from_ptr, IS_RMS=rms, BLOCK_N=block_n, num_warps=num_warps,
     )
     return y, z, mean, rstd
 
@@ -285,21 +247,22 @@ def bias_dropout_add_norm_bwd(
         zeros = lambda t: torch.zeros(n, dtype=t.dtype, device=dy.device)  # noqa: E731
         return (dx, dres, torch.zeros(n, dtype=torch.float32, device=dy.device) if want_dbias else None,
                 zeros(weight), zeros(ln_bias) if ln_bias is not None else None)
-    programs = max(1, min(m, _max_programs(dy.device) // 2))
+    programs = max(1, min(m, max_programs(dy.device) // 2))
     rows_per_program = triton.cdiv(m, programs)
     programs = triton.cdiv(m, rows_per_program)
-    parts = lambda want: torch.zeros((programs, n), dtype=torch.float32, device=dy.device) if want else None  # noqa: E731
+    # every program writes its whole row of partial sums: no zero fill needed
+    parts = lambda want: torch.empty((programs, n), dtype=torch.float32, device=dy.device) if want else None  # noqa: E731
     dw_part, dlnb_part, db_part = parts(True), parts(ln_bias is not None), parts(want_dbias)
-    block_n = triton.next_power_of_2(n)
+    block_n, num_warps = row_config(n)
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, rstd)
     _bda_norm_bwd_kernel[(programs,)](
         dy, saved, dz_out if dz_out is not None else dy, weight, ln_bias if ln_bias is not None else weight,
         mean, rstd, dx, dres if dres is not None else dx, dw_part,
         dlnb_part if dlnb_part is not None else dw_part, db_part if db_part is not None else dw_part,
         m, n, dy.stride(0), saved.stride(0), dz_out.stride(0) if dz_out is not None else 0, dx.stride(0),
-        dres.stride(0) if dres is not None else 0, rows_per_program, seed_int, seed_ptr, p, _scale(p),
+        dres.stride(0) if dres is not None else 0, rows_per_program, seed_int, seed_ptr, p, dropout_scale(p),
         HAS_LNB=ln_bias is not None, HAS_DZ_OUT=dz_out is not None, STORE_DRES=store_dres, HAS_BIAS=want_dbias,
-        DROPOUT=p > 0, SEED_FROM_PTR=seed_from_ptr, IS_RMS=rms, FROM_OUTPUT=from_output, BLOCK_N=block_n, num_warps=_norm_warps(block_n),
+        DROPOUT=p > 0, SEED_FROM_PTR=seed_from_ptr, IS_RMS=rms, FROM_OUTPUT=from_output, BLOCK_N=block_n, num_warps=num_warps,
     )
     dw = dw_part.sum(0).to(weight.dtype)
     dlnb = dlnb_part.sum(0).to(ln_bias.dtype) if dlnb_part is not None else None

@@ -67,8 +67,8 @@ def _fp32_bits(value: float) -> int:
 
 
 FORMATS: dict[torch.dtype, Fp8Format] = {
-    torch.float8_e4m3fn: Fp8Format(3, 7, _fp32_bits(448.0)),
-    torch.float8_e5m2: Fp8Format(2, 15, _fp32_bits(57344.0)),
+    torch.float8_e4m3fn: Fp8Format(3, 7, _fp32_bits(FP8_MAX[torch.float8_e4m3fn])),
+    torch.float8_e5m2: Fp8Format(2, 15, _fp32_bits(FP8_MAX[torch.float8_e5m2])),
 }
 
 

@@ -12,6 +12,9 @@ be kept for backward):
     dz += dz_out                                             (gradient of the returned z, if any)
 and accumulates per-program partial sums of dy * xhat (dgamma) and dy (dbeta) in fp32, which the
 launcher sums over programs. dx and dresidual are both dz.
+
+The row math (:func:`row_stats`, :func:`row_grad`) is shared with the fused
+bias + dropout + residual + norm kernels of kernels/dropout.
 """
 
 from __future__ import annotations
@@ -20,7 +23,46 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_FUSED_N = 65536
+
+@triton.jit
+def row_stats(z, mask, N, eps, IS_RMS: tl.constexpr):
+    """(mean, rstd, centered) of one row z: fp32 [BLOCK_N], 0 where not ``mask`` (cols >= N).
+    mean is 0 for RMSNorm; centered = z - mean, 0 past N."""
+    if IS_RMS:
+        mean = 0.0
+        centered = z
+    else:
+        mean = tl.sum(z, axis=0) / N
+        centered = tl.where(mask, z - mean, 0.0)
+    var = tl.sum(centered * centered, axis=0) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    return mean, rstd, centered
+
+
+@triton.jit
+def row_grad(dy, saved, w, b, MEAN, row, rstd, mask, N,
+             IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, FROM_OUTPUT: tl.constexpr):
+    """(dz, xhat) of one row, fp32 [BLOCK_N], without the gradient of the returned z.
+
+    saved is z, or y when FROM_OUTPUT (then xhat = (y - b) / w); w, b: the loaded affine
+    parameters (b read only when HAS_BIAS); MEAN + row is read only for LayerNorm from z."""
+    if FROM_OUTPUT:
+        if HAS_BIAS:
+            saved = saved - b
+        xhat = tl.where(mask, saved / tl.where(mask, w, 1.0), 0.0)
+    elif IS_RMS:
+        xhat = saved * rstd
+    else:
+        mean = tl.load(MEAN + row)
+        xhat = tl.where(mask, (saved - mean) * rstd, 0.0)
+    g = dy * w
+    c1 = tl.sum(xhat * g, axis=0) / N
+    if IS_RMS:
+        dz = (g - xhat * c1) * rstd
+    else:
+        c2 = tl.sum(g, axis=0) / N
+        dz = (g - xhat * c1 - c2) * rstd
+    return dz, xhat
 
 
 @triton.jit
@@ -42,14 +84,7 @@ def _norm_fwd_kernel(
         z = z.to(Z.dtype.element_ty)
         tl.store(Z + row * stride_z + cols, z, mask=mask)
         z = z.to(tl.float32)
-    if IS_RMS:
-        mean = 0.0
-        centered = z
-    else:
-        mean = tl.sum(z, axis=0) / N
-        centered = tl.where(mask, z - mean, 0.0)
-    var = tl.sum(centered * centered, axis=0) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
+    mean, rstd, centered = row_stats(z, mask, N, eps, IS_RMS)
     tl.store(MEAN + row, mean)
     tl.store(RSTD + row, rstd)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
@@ -71,6 +106,7 @@ def _norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    b = w  # placeholder, read only when HAS_BIAS
     if HAS_BIAS:
         b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -82,23 +118,7 @@ def _norm_bwd_kernel(
         dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         saved = tl.load(SAVED + row * stride_saved + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + row)
-        if FROM_OUTPUT:
-            if HAS_BIAS:
-                saved = saved - b
-            xhat = tl.where(mask, saved / tl.where(mask, w, 1.0), 0.0)
-        else:
-            if IS_RMS:
-                xhat = saved * rstd
-            else:
-                mean = tl.load(MEAN + row)
-                xhat = tl.where(mask, (saved - mean) * rstd, 0.0)
-        g = dy * w
-        c1 = tl.sum(xhat * g, axis=0) / N
-        if IS_RMS:
-            dz = (g - xhat * c1) * rstd
-        else:
-            c2 = tl.sum(g, axis=0) / N
-            dz = (g - xhat * c1 - c2) * rstd
+        dz, xhat = row_grad(dy, saved, w, b, MEAN, row, rstd, mask, N, IS_RMS, HAS_BIAS, FROM_OUTPUT)
         if HAS_DZ_OUT:
             dz += tl.load(DZ_OUT + row * stride_dzo + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + row * stride_dx + cols, dz.to(DX.dtype.element_ty), mask=mask)
@@ -110,7 +130,8 @@ def _norm_bwd_kernel(
         tl.store(DB_PART + pid * N + cols, db_acc, mask=mask)
 
 
-def _launch_config(n: int) -> tuple[int, int]:
+def row_config(n: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of a kernel whose program holds one whole row of n elements."""
     block_n = triton.next_power_of_2(n)
     num_warps = min(max(block_n // 256, 1), 16)
     return block_n, num_warps
@@ -130,7 +151,7 @@ def norm_fwd(
     z = torch.empty_like(x) if residual is not None else None
     mean = torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    block_n, num_warps = _launch_config(n)
+    block_n, num_warps = row_config(n)
     _norm_fwd_kernel[(m,)](
         x, residual if residual is not None else x, weight, bias if bias is not None else weight,
         y, z if z is not None else y, mean, rstd,
@@ -170,7 +191,7 @@ def norm_bwd(
     programs = triton.cdiv(m, rows_per_program)
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=dy.device)
     db_part = torch.empty((programs, n), dtype=torch.float32, device=dy.device) if bias is not None else None
-    block_n, num_warps = _launch_config(n)
+    block_n, num_warps = row_config(n)
     _norm_bwd_kernel[(programs,)](
         dy, saved, dz_out if dz_out is not None else dy, weight, bias if bias is not None else weight,
         mean, rstd, dx, dw_part, db_part if db_part is not None else dw_part,

@@ -12,6 +12,6 @@ same value gives the same numbers either way.
 """
 
 from tachyon.kernels.random.reference import dropout_keep_mask, philox_randint, rand
-from tachyon.kernels.random.seed import check_seed
+from tachyon.kernels.random.seed import check_seed, join_seed, split_seed
 
-__all__ = ["check_seed", "dropout_keep_mask", "philox_randint", "rand"]
+__all__ = ["check_seed", "dropout_keep_mask", "join_seed", "philox_randint", "rand", "split_seed"]

@@ -16,8 +16,14 @@ import torch
 SEED_RANGE = "[0, 2**63)"
 
 
-def is_tensor_seed(seed: object) -> bool:
-    return isinstance(seed, torch.Tensor)
+def split_seed(seed: int | torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """A checked seed as the custom ops take it: ``(int seed, None)``, or ``(0, tensor seed)``."""
+    return (0, seed) if isinstance(seed, torch.Tensor) else (int(seed), None)
+
+
+def join_seed(seed: int, seed_tensor: torch.Tensor | None) -> int | torch.Tensor:
+    """The inverse of :func:`split_seed`: the tensor seed when there is one, else the int."""
+    return seed_tensor if seed_tensor is not None else seed
 
 
 def check_seed(op: str, seed: object, device: torch.device, context: str = "") -> int | torch.Tensor:
@@ -39,4 +45,4 @@ def check_seed(op: str, seed: object, device: torch.device, context: str = "") -
     return int(seed)
 
 
-__all__ = ["SEED_RANGE", "check_seed", "is_tensor_seed"]
+__all__ = ["SEED_RANGE", "check_seed", "join_seed", "split_seed"]

@@ -138,28 +138,19 @@ def layer_to_hf(layer: TransformerKernelLayer) -> nn.Module:
             initializer_range=c.initializer_range,
         )
     bert = _bert_layer_class()(hf_config).to(device=layer.attn_qkvw.device, dtype=c.dtype)
-    h = c.hidden_size
-    attn, out = bert.attention, bert.output
-    pairs = [
-        (attn.self.query.weight, layer.attn_qkvw[:h]), (attn.self.key.weight, layer.attn_qkvw[h:2 * h]),
-        (attn.self.value.weight, layer.attn_qkvw[2 * h:]), (attn.self.query.bias, layer.attn_qkvb[:h]),
-        (attn.self.key.bias, layer.attn_qkvb[h:2 * h]), (attn.self.value.bias, layer.attn_qkvb[2 * h:]),
-        (attn.output.dense.weight, layer.attn_ow), (attn.output.dense.bias, layer.attn_ob),
-        (attn.output.LayerNorm.weight, layer.attn_nw), (attn.output.LayerNorm.bias, layer.attn_nb),
-        (bert.intermediate.dense.weight, layer.inter_w), (bert.intermediate.dense.bias, layer.inter_b),
-        (out.dense.weight, layer.output_w), (out.dense.bias, layer.output_b),
-        (out.LayerNorm.weight, layer.norm_w), (out.LayerNorm.bias, layer.norm_b),
-    ]
+    hf_params = dict(bert.named_parameters())
     with torch.no_grad():
-        for dst, src in pairs:
-            dst.copy_(src)
+        for ours, (theirs, rows) in hf_parameter_map(layer).items():
+            src = getattr(layer, ours.split(".")[0])
+            hf_params[theirs].copy_(src if rows is None else src[rows])
     bert.train(layer.training)
     return bert
 
 
 def hf_parameter_map(layer: TransformerKernelLayer) -> dict[str, tuple[str, slice | None]]:
-    """kernel parameter name -> (HF BertLayer parameter name, row slice of the kernel parameter).
-    Used to compare gradients; q/k/v map to thirds of attn_qkvw / attn_qkvb."""
+    """kernel parameter name -> (HF BertLayer parameter name, row slice of the kernel parameter),
+    for every parameter of a BertLayer (used by :func:`layer_to_hf` and to compare gradients);
+    q/k/v map to thirds of attn_qkvw / attn_qkvb, named ``attn_qkvw.query`` etc."""
     h = layer.config.hidden_size
     thirds = {"query": slice(0, h), "key": slice(h, 2 * h), "value": slice(2 * h, 3 * h)}
     mapping: dict[str, tuple[str, slice | None]] = {}
