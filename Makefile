@@ -1,12 +1,13 @@
 # One command each for a newcomer on a fresh machine with Python >= 3.10 and pip:
 #   make test   create .venv, install tachyon with its test extras, run the default (CPU) suite
 #   make train  create .venv, install tachyon, run the main job
+# Both install the exact versions in constraints.txt; `make upgrade-check` moves them.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test train demo install clean
+.PHONY: test train demo install clean upgrade-check oldest-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,5 +29,14 @@ train: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m tachyon demo
 
+# Moving the pins: newest releases in a scratch venv (.venv-pins), the suite, and on success
+# constraints.txt and src/tachyon/tested_versions.json rewritten (review with git diff).
+upgrade-check:
+	$(PYTHON) tools/pins.py upgrade
+
+# The suite at the pyproject lower bounds (tested_versions.json's "oldest"); changes nothing.
+oldest-check:
+	$(PYTHON) tools/pins.py oldest
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-pins

@@ -22,9 +22,25 @@ def test_info_lists_versions_and_every_capability_with_a_reason(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert f"tachyon {tachyon.__version__}" in out
+    for name in ("torch", "triton", "pydantic", "transformers"):
+        assert any(line.startswith(f"  {name} ") and "tested:" in line for line in out.splitlines()), name
+    capabilities = out.split("capabilities:")[1].splitlines()
     for name in ("cuda", "triton", "bf16", "fp8"):
-        line = next(line for line in out.splitlines() if line.startswith(f"  {name} "))
+        line = next(line for line in capabilities if line.startswith(f"  {name} "))
         assert len(line.split(maxsplit=2)) == 3, f"no detail for {name}: {line!r}"
+
+
+def test_info_warns_for_a_version_outside_the_tested_range(capsys, monkeypatch):
+    from tachyon import versions
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda name: "4.57.1" if name == "transformers" else real(name))
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("  transformers "))
+    assert "4.57.1" in row and "WARNING: outside the tested range" in row
+    oldest, newest = versions.tested_ranges()["transformers"]
+    assert f"WARNING: transformers 4.57.1 is outside the range tachyon was tested with ({oldest} - {newest})" in out
 
 
 def test_python_dash_m_runs_the_same_command():

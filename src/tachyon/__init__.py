@@ -18,6 +18,7 @@ _LAZY = {
     "initialize": "tachyon.engine",
     "Engine": "tachyon.engine",
     "init_distributed": "tachyon.parallel.distributed",
+    "shutdown_distributed": "tachyon.parallel.distributed",
     "TransformerKernelConfig": "tachyon.nn.transformer_kernel",
     "TransformerKernelLayer": "tachyon.nn.transformer_kernel",
     "fp8_autocast": "tachyon.fp8",

@@ -28,25 +28,26 @@ def _no_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _info(args: argparse.Namespace) -> int:
     del args
-    import torch
-
+    from tachyon import versions
     from tachyon.backend import get_backend
 
     lines = [
         f"tachyon {tachyon.__version__}",
         f"python {platform.python_version()} ({platform.machine()}, {platform.system()})",
-        f"torch {torch.__version__}",
+        "dependencies (installed, and the range the test suite passed with):",
+        *(f"  {row.line()}" for row in versions.report()),
     ]
     try:
-        import triton
-
-        lines.append(f"triton {triton.__version__}")
+        import triton  # noqa: F401
     except Exception as exc:  # any import failure is reported, not raised
         lines.append(f"triton not importable: {exc}")
     lines.append(f"backend {get_backend()}")
     lines.append("capabilities:")
     for name, cap in tachyon.capabilities().items():
         lines.append(f"  {name:<7} {'yes' if cap.available else 'no ':<4} {cap.detail}")
+    warnings = versions.warnings()
+    if warnings:
+        lines.append("WARNING: " + "; ".join(warnings) + ". tachyon may work, but this combination is untested.")
     print("\n".join(lines))
     return 0
 

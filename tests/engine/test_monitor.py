@@ -95,6 +95,22 @@ def test_tensorboard_writer_gets_every_scalar(tmp_path, monkeypatch):
     assert writer.closed
 
 
+
+def test_tensorboard_event_file_reads_back(tmp_path):
+    """The real TensorBoard writer (the test extra installs it): the event file in
+    output_path/job_name reads back with TensorBoard's own reader, every scalar at its step."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
+                                      reason="tensorboard is not installed")
+    monitor = Monitor(make_config(tmp_path, tensorboard=True))
+    monitor.write_events(EVENTS)
+    monitor.write_events([("Train/Samples/train_loss", 2.0, 16)])
+    monitor.close()
+    events = accumulator.EventAccumulator(str(tmp_path / "tb" / "run1"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["Train/Samples/lr", "Train/Samples/train_loss", "my metric"]
+    assert [(s.step, s.value) for s in events.Scalars("Train/Samples/train_loss")] == [(8, 2.5), (16, 2.0)]
+    assert events.Scalars("Train/Samples/lr")[0].value == pytest.approx(3e-4)
+
 def test_tensorboard_not_installed_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import now raises ImportError
     with pytest.raises(ImportError, match=r"install the `tensorboard` extra: pip install 'tachyon\[tensorboard\]'"):

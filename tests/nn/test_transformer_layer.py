@@ -5,6 +5,8 @@ autocast, and on the Triton path under the interpreter."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -392,6 +394,72 @@ def test_hf_layer_adapter_inside_hf_model(arch, attn_implementation):
     assert_close(got[keep], expected[keep], name=f"{arch} model with adapters")
     with pytest.raises(ValueError, match="use_cache=False"):
         model(input_ids=ids, use_cache=True)
+
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hf_layer_adapter_generate_refuses_cache_and_matches_without(arch):
+    """generate() through adapted layers: with HF's default use_cache=True it raises (a cache the
+    layers would ignore gives wrong tokens); with use_cache=False it picks HF's greedy tokens."""
+    if arch == "gpt2":
+        from transformers import GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(_gpt2_config(layers=2)).eval()
+        layers = model.transformer.h
+    else:
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM(_llama_config(layers=2)).eval()
+        layers = model.model.layers
+    _randomize_norms(model)
+    ids = torch.randint(3, 97, (2, 6))
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        expected = model.generate(ids, use_cache=False, **kwargs)
+        for i, layer in enumerate(layers):
+            layers[i] = HFLayerAdapter.from_hf(layer).eval()
+        with pytest.raises(ValueError, match="use_cache=False"):
+            model.generate(ids, **kwargs)
+        got = model.generate(ids, use_cache=False, **kwargs)
+    assert torch.equal(got, expected), f"greedy tokens differ:\n{got}\n{expected}"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hf_layer_adapter_refuses_what_it_cannot_honour(arch):
+    """A cache under every name HF has used (keyword and positional), use_cache=True, and unknown
+    non-None keywords raise; position_ids / cache_position / None and False values are accepted."""
+    x = torch.randn(1, 5, 64)
+    kw = {}
+    if arch == "gpt2":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        hf = GPT2Block(_gpt2_config(), layer_idx=0)
+    else:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        hf = LlamaDecoderLayer(_llama_config(), layer_idx=0)
+        kw["position_embeddings"] = LlamaRotaryEmbedding(_llama_config())(x, torch.arange(5)[None])
+    adapter = HFLayerAdapter.from_hf(hf).eval()
+    cache = object()
+    for name in ("cache", "past_key_values", "past_key_value", "layer_past"):
+        with pytest.raises(ValueError, match="KV cache"):
+            adapter(x, **{name: cache}, **kw)
+    params = [p.name for p in inspect.signature(type(hf).forward).parameters.values()][2:]  # after hidden_states
+    cache_at = next(i for i, name in enumerate(params) if name in ("cache", "past_key_values"))
+    positional = (None,) * cache_at + (cache,)  # where this transformers version puts the cache
+    with pytest.raises(ValueError, match="KV cache"):
+        adapter(x, *positional, **kw)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        adapter(x, use_cache=True, **kw)
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        adapter(x, cu_seq_lens_q=torch.tensor([0, 5]), **kw)
+    with pytest.raises(ValueError, match="output_attentions"):
+        adapter(x, output_attentions=True, **kw)
+    with pytest.raises(ValueError, match="multiple values"):
+        adapter(x, None, **{params[0]: None}, **kw)
+    out = adapter(x, position_ids=torch.arange(5)[None], cache_position=torch.arange(5), use_cache=False,
+                  output_attentions=False, cache=None, **kw)
+    assert out.shape == x.shape
 
 
 def test_hf_key_padding():

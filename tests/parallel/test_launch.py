@@ -164,6 +164,7 @@ def test_real_two_process_training_run():
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "terminate called" not in proc.stderr, f"a rank aborted at exit:\n{proc.stderr}"
     rows = {}
     for match in re.finditer(r"RESULT ((?:\w+=[-\d.e]+ ?)+?)(?:checksum=(\d+\.\d{12}))", proc.stdout):
         fields = dict(item.split("=") for item in match.group(1).split())

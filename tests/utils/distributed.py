@@ -10,6 +10,9 @@ If a rank raises, its traceback is collected; the other ranks get a short grace 
 finish or fail, then are killed, and a RankFailure lists each failing rank's traceback. If no
 rank fails but some do not finish within ``timeout`` seconds, they are killed and a
 RankTimeout names them. Each rank runs torch with one thread (the CI machine has two cores).
+Each rank starts through ``tachyon.init_distributed`` and ends through
+``tachyon.shutdown_distributed``, as a tachyon program does; a rank that reports its result but
+then exits non-zero (an abort at teardown) or does not exit is a RankFailure too.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 GRACE_AFTER_FAILURE_S = 5.0
+EXIT_TIMEOUT_S = 30.0  # after every rank reported: the time to tear down and exit
 
 
 class RankFailure(AssertionError):
@@ -50,25 +54,28 @@ def _worker(fn, rank, world_size, port, args, results, init, pg_timeout_s, env) 
     import torch
     import torch.distributed as dist
 
+    from tachyon.parallel.distributed import init_distributed, shutdown_distributed
+
     torch.set_num_threads(1)
+    ok = False
     try:
         if init:
-            dist.init_process_group(
-                "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s)
-            )
+            init_distributed("gloo", timeout=datetime.timedelta(seconds=pg_timeout_s), verbose=False)
         # pickled here by value: tensors sent through a torch-aware queue would be shared through
         # file descriptors that vanish when this process exits
         value = pickle.dumps(fn(*args))
         results.put((rank, True, value))
+        ok = True
     except BaseException:  # report everything, SystemExit included
         results.put((rank, False, traceback.format_exc()))
     finally:
-        # deliver the report before tearing gloo down: torch 2.13's gloo teardown sometimes
-        # aborts the process, which must not lose a result already computed
+        # deliver the report first, then tear down the way a tachyon program does at exit
+        # (multiprocessing children skip atexit handlers, so it is called here): a teardown that
+        # aborts the process shows as a non-zero exit code, which run_distributed reports
         results.close()
         results.join_thread()
-        if init and dist.is_initialized():
-            dist.destroy_process_group()
+        if dist.is_initialized():
+            shutdown_distributed(barrier=ok)
 
 
 def run_distributed(
@@ -127,6 +134,15 @@ def run_distributed(
                 if time.monotonic() - first_seen > 1.0:  # its last message would have arrived by now
                     failures[rank] = f"rank {rank} exited with code {p.exitcode} without reporting a result"
                     deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
+        if len(values) == world_size:  # every rank reported: each must now also exit cleanly
+            exit_deadline = time.monotonic() + EXIT_TIMEOUT_S
+            for rank, p in enumerate(procs):
+                p.join(timeout=max(0.0, exit_deadline - time.monotonic()))
+                if p.is_alive():
+                    failures[rank] = f"rank {rank} reported its result but did not exit within {EXIT_TIMEOUT_S:g}s"
+                elif p.exitcode != 0:
+                    failures[rank] = (f"rank {rank} reported its result but exited with code {p.exitcode}"
+                                      f"{' (killed by a signal: an abort while tearing down?)' if p.exitcode < 0 else ''}")
     finally:
         stuck = [rank for rank, p in enumerate(procs) if p.is_alive() and rank not in values and rank not in failures]
         for p in procs:

@@ -85,6 +85,7 @@ class Engine(torch.nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._grad_norm: torch.Tensor | None = None
+        self._destroyed = False
         self.telemetry = EngineTelemetry(config, comm, device)
 
         self.precision: Precision = build_precision(config)
@@ -114,6 +115,8 @@ class Engine(torch.nn.Module):
 
     # ------------------------------------------------------------------ training loop
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._destroyed:
+            raise RuntimeError("this engine was destroyed (engine.destroy()); create a new one with tachyon.initialize")
         with self.telemetry.forward_phase():
             return self.module(*inputs, **kwargs)
 
@@ -259,6 +262,23 @@ class Engine(torch.nn.Module):
         if not self.comm.enabled:
             return None
         return self.comm.group if self.comm.group is not None else torch.distributed.group.WORLD
+
+    def destroy(self) -> None:
+        """End of the engine's life (DeepSpeed's name): close the monitor's files, then, once every
+        rank of the data-parallel group has reached this call (a barrier), destroy the group the
+        engine created. The default group stays (`tachyon.shutdown_distributed` or the exit handler
+        of `init_distributed` ends it). Training with the engine afterwards raises; calling
+        destroy again does nothing."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self.telemetry.close()
+        group = self.comm.group
+        if group is not None:
+            from tachyon.parallel.distributed import destroy_group
+
+            torch.distributed.barrier(group=group)
+            destroy_group(group)
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds: parameters, gradients, master_weights, optimizer_states, their

@@ -42,6 +42,7 @@ HF model::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -282,6 +283,17 @@ def _copy(dst: Tensor | None, src: Tensor | None, what: str) -> None:
             dst.copy_(src)
 
 
+def _gpt2_softmax_scale(attn: nn.Module) -> float:
+    """GPT2Attention's score scale: its ``scaling`` attribute (transformers >= 5.3), else built from
+    scale_attn_weights (1/sqrt(head_dim)) and scale_attn_by_inverse_layer_idx (1/(layer_idx+1))."""
+    if hasattr(attn, "scaling"):
+        return float(attn.scaling)
+    scale = attn.head_dim ** -0.5 if attn.scale_attn_weights else 1.0
+    if attn.scale_attn_by_inverse_layer_idx:
+        scale /= float(attn.layer_idx + 1)
+    return scale
+
+
 def _from_gpt2(cls, block: nn.Module, config: object, backend: str | None) -> TransformerLayer:
     if getattr(block, "crossattention", None) is not None:
         raise ValueError("TransformerLayer.from_hf: GPT2Block with cross-attention (add_cross_attention) is not supported yet")
@@ -298,7 +310,7 @@ def _from_gpt2(cls, block: nn.Module, config: object, backend: str | None) -> Tr
         activation=_HF_ACTIVATIONS[act], bias=True, attn_input_format="bshd", params_dtype=weight.dtype,
         device=weight.device, backend=backend,
     )
-    layer.self_attention.core_attention.softmax_scale = float(block.attn.scaling)
+    layer.self_attention.core_attention.softmax_scale = _gpt2_softmax_scale(block.attn)
     attn = layer.self_attention
     _copy(attn.layernorm_qkv.layer_norm_weight, block.ln_1.weight, "ln_1.weight")
     _copy(attn.layernorm_qkv.layer_norm_bias, block.ln_1.bias, "ln_1.bias")
@@ -387,40 +399,45 @@ class HFLayerAdapter(nn.Module):
     """A TransformerLayer behind an HF GPT2Block / LlamaDecoderLayer call signature (transformers 5.x).
 
     ``HFLayerAdapter.from_hf(hf_layer)`` converts the layer (TransformerLayer.from_hf) and wraps it;
-    ``.layer`` is the TransformerLayer. forward takes what the HF model passes its layers:
+    ``.layer`` is the TransformerLayer. forward takes what the HF model passes its layers, bound by
+    name to the HF layer class's own forward signature (its positional order moved across
+    transformers 5.x releases):
 
-    - GPT-2: (hidden_states, past_key_values, attention_mask, encoder_hidden_states, ...).
+    - GPT-2: hidden_states, attention_mask, and a cache / encoder_hidden_states that must be None.
     - Llama: hidden_states plus keywords attention_mask, position_embeddings=(cos, sin) [b, s, d]
-      (required; the rows must agree across the batch), position_ids, past_key_values, use_cache.
+      (required; the rows must agree across the batch), position_ids, cache, use_cache.
 
     hidden_states [b, s, hidden] -> [b, s, hidden] (HF 5.x layers return a tensor). The causal HF
     mask becomes TE's padding_causal mask when it pads any key (see :func:`hf_key_padding`), else
-    plain causal. Not supported (ValueError): a KV cache (past_key_values; run with
-    use_cache=False), cross-attention (encoder_hidden_states). Other keywords are ignored.
+    plain causal. Refused with a ValueError, never ignored: a KV cache under any name HF has used
+    for it (``cache`` from transformers 5.24, ``past_key_values`` before, ``past_key_value`` /
+    ``layer_past`` in 4.x), positional or keyword, and ``use_cache=True`` (call the model with
+    ``use_cache=False``); cross-attention (encoder_hidden_states); any other keyword that is not
+    None/False (packed-sequence ``cu_seq_lens_*``, ``output_attentions=True``, ...), since running
+    the layer without it would give different numbers. ``position_ids`` and ``cache_position`` are
+    ignored: positions reach a Llama layer through ``position_embeddings``, and GPT-2 adds them
+    before its first layer.
     """
 
-    _GPT2_ARGS = ("past_key_values", "attention_mask", "encoder_hidden_states", "encoder_attention_mask", "use_cache")
-    _LLAMA_ARGS = ("attention_mask", "position_ids", "past_key_values", "use_cache", "position_embeddings")
+    # every name under which an HF model has passed its layers a KV cache
+    _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
+    _IGNORED = ("position_ids", "cache_position")
+    _USED = ("attention_mask", "position_embeddings")
 
-    def __init__(self, layer: TransformerLayer, kind: str) -> None:
+    def __init__(self, layer: TransformerLayer, kind: str, hf_class: type | None = None) -> None:
+        """``hf_class``: the HF layer class whose call signature positional arguments follow (its
+        parameter order changed across transformers 5.x); default: the installed transformers'
+        GPT2Block or LlamaDecoderLayer."""
         super().__init__()
         self.layer, self.kind = layer, check_choice("HFLayerAdapter", "kind", kind, ("gpt2", "llama"))
+        self.hf_class = hf_class
 
     @classmethod
     def from_hf(cls, hf_layer: nn.Module, hf_config: object = None, *, backend: str | None = None) -> HFLayerAdapter:
-        return cls(TransformerLayer.from_hf(hf_layer, hf_config, backend=backend), _hf_kind(hf_layer))
+        return cls(TransformerLayer.from_hf(hf_layer, hf_config, backend=backend), _hf_kind(hf_layer), type(hf_layer))
 
     def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
-        names = self._GPT2_ARGS if self.kind == "gpt2" else self._LLAMA_ARGS
-        if len(args) > len(names):
-            raise ValueError(f"HFLayerAdapter: got {len(args) + 1} positional arguments; the HF layer takes at most {len(names) + 1}")
-        call = dict(zip(names, args))
-        for key, value in kwargs.items():
-            call.setdefault(key, value)
-        if call.get("past_key_values") is not None:
-            raise ValueError("HFLayerAdapter: KV caches (past_key_values) are not supported; call the model with use_cache=False")
-        if call.get("encoder_hidden_states") is not None:
-            raise ValueError("HFLayerAdapter: cross-attention (encoder_hidden_states) is not supported yet")
+        call = self._bind(args, kwargs)
         rotary = None
         if self.kind == "llama":
             rotary = _hf_rotary(call.get("position_embeddings"))
@@ -428,6 +445,61 @@ class HFLayerAdapter(nn.Module):
         mask_type = "padding_causal" if key_mask is not None else "causal"
         out = self.layer(hidden_states, attention_mask=key_mask, self_attn_mask_type=mask_type, rotary_pos_emb=rotary)
         return out.to(hidden_states.dtype)
+
+    def _bind(self, args: tuple, kwargs: dict) -> dict:
+        """The call's arguments by name; raises for anything the layer cannot honour."""
+        signature = _hf_signature(self.hf_class or _default_hf_class(self.kind))
+        try:
+            bound = signature.bind(None, None, *args, **kwargs)  # (self, hidden_states, ...)
+        except TypeError as err:
+            raise ValueError(f"HFLayerAdapter: the call does not fit {signature}: {err}") from None
+        call = {}
+        for name, value in list(bound.arguments.items())[2:]:
+            kind = signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                call.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                if any(v is not None for v in value):
+                    raise ValueError(f"HFLayerAdapter: {len(value)} extra positional arguments; {signature} takes fewer")
+            else:
+                call[name] = value
+        for key in self._CACHE_NAMES:
+            if call.get(key) is not None:
+                raise ValueError(f"HFLayerAdapter: a KV cache ({key}={type(call[key]).__name__}) is not supported; "
+                                 "call the model with use_cache=False")
+        if call.get("use_cache"):
+            raise ValueError("HFLayerAdapter: use_cache=True is not supported (the layer keeps no KV cache); "
+                             "call the model with use_cache=False")
+        if call.get("encoder_hidden_states") is not None:
+            raise ValueError("HFLayerAdapter: cross-attention (encoder_hidden_states) is not supported yet")
+        for key, value in call.items():
+            if key in self._USED or key in self._IGNORED or key in self._CACHE_NAMES or key == "use_cache":
+                continue
+            if value is not None and value is not False:
+                raise ValueError(f"HFLayerAdapter: {key}={type(value).__name__} is not supported; the adapted "
+                                 f"{self.kind} layer takes hidden_states, attention_mask"
+                                 f"{', position_embeddings' if self.kind == 'llama' else ''}, and {key} must be None or False")
+        return call
+
+
+_SIGNATURES: dict[type, inspect.Signature] = {}
+
+
+def _hf_signature(hf_class: type) -> inspect.Signature:
+    """The HF layer's forward signature (through transformers' deprecate_kwarg wrappers)."""
+    if hf_class not in _SIGNATURES:
+        _SIGNATURES[hf_class] = inspect.signature(hf_class.forward)
+    return _SIGNATURES[hf_class]
+
+
+def _default_hf_class(kind: str) -> type:
+    if kind == "gpt2":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        return GPT2Block
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer
 
 
 def _hf_rotary(position_embeddings: object) -> RotaryTables:

@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             return 130
         return 128 - code if code < 0 else code
+    from tachyon.parallel.distributed import shutdown_distributed
     from tachyon.train.run import train
 
     try:
@@ -128,4 +129,5 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"tachyon train: error: {error}", file=sys.stderr)
         return 2
+    shutdown_distributed()  # every rank is done: barrier, then the process groups are destroyed
     return 0

@@ -275,7 +275,7 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
                            time.perf_counter() - started, output_dir)
         (output_dir / "summary.txt").write_text(summary)
         print(summary, end="", flush=True)
-    telemetry.close()
+    engine.destroy()  # closes the monitor files and the engine's data-parallel group
     return result
 
 
