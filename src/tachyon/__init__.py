@@ -22,9 +22,10 @@ _LAZY = {
     "TransformerKernelConfig": "tachyon.nn.transformer_kernel",
     "TransformerKernelLayer": "tachyon.nn.transformer_kernel",
     "fp8_autocast": "tachyon.fp8",
+    "init_inference": "tachyon.inference",
 }
 # public module name -> the module itself
-_LAZY_MODULES = {"checkpointing": "tachyon.engine.activation_checkpointing"}
+_LAZY_MODULES = {"checkpointing": "tachyon.engine.activation_checkpointing", "profiling": "tachyon.profiling"}
 
 __all__ = ["__version__", "capabilities", "get_backend", "set_backend", "use_backend", *_LAZY, *_LAZY_MODULES]
 
