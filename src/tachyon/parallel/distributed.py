@@ -336,6 +336,7 @@ def init_distributed(
             backend, found.rank, found.world_size, found.local_rank, found.master_addr, found.master_port,
             found.source, timeout,
         )
+    _groups.clear()  # groups of an earlier default group (destroyed without shutdown_distributed) are gone
     dist.init_process_group(
         backend=backend, init_method=init_method or "env://", timeout=timeout,
         rank=found.rank, world_size=found.world_size,
