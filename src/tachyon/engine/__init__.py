@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {"initialize": "tachyon.engine.initialize", "Engine": "tachyon.engine.engine"}
+# initialize() lives in engine/start.py: a submodule named "initialize" would replace the
+# function as this package's attribute once anything imported the module by its path.
+_LAZY = {"initialize": "tachyon.engine.start", "Engine": "tachyon.engine.engine"}
 
 __all__ = ["Engine", "initialize"]
 
