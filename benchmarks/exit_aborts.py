@@ -8,8 +8,8 @@ A process group left to the interpreter's finalization can abort a rank after it
 (torch 2.13, gloo: "terminate called without an active exception"). tachyon tears its groups down
 (`tachyon.shutdown_distributed`, run at exit by `init_distributed`); this script shows it over many
 runs. Jobs: tests/parallel/_launch_train_script.py under `python -m tachyon.parallel.launch` (a
-script that simply returns), and `tachyon train examples/train_ci.json` (the main job, 30 steps,
-checkpoints). Writes a markdown tally (default benchmarks/results/<date>-cpu-exit-aborts.md) and
+script that simply returns), and `tachyon train examples/train_ci.json --steps 30` (the main job's CI
+config, shortened; checkpoints). Writes a markdown tally (default benchmarks/results/<date>-cpu-exit-aborts.md) and
 exits 1 if any run failed.
 """
 
@@ -35,7 +35,7 @@ def _jobs(procs: int, scratch: Path) -> dict[str, list[str]]:
         "launch script": [python, "-m", "tachyon.parallel.launch", "--nproc-per-node", str(procs),
                           str(REPO / "tests" / "parallel" / "_launch_train_script.py")],
         "tachyon train": [python, "-m", "tachyon", "train", str(REPO / "examples" / "train_ci.json"),
-                          "--nproc", str(procs), "--no-progress", "--output-dir", str(scratch / "run")],
+                          "--steps", "30", "--nproc", str(procs), "--no-progress", "--output-dir", str(scratch / "run")],
     }
 
 
