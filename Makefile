@@ -1,6 +1,6 @@
 # One command each for a newcomer on a fresh machine with Python >= 3.10 and pip:
 #   make test   create .venv, install tachyon with its test extras, run the default (CPU) suite
-#   make train  create .venv, install tachyon, run the main job
+#   make train  create .venv, install tachyon (with the train extra: matplotlib, tokenizers), run the main job
 # Both install the exact versions in constraints.txt; `make upgrade-check` moves them.
 PYTHON ?= python3
 VENV   := .venv
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	printf '[install]\nconstraint = %s/constraints.txt\n' "$(CURDIR)" > $(VENV)/pip.conf
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0 -c constraints.txt
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,triton,hf]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,triton,hf,train]"
 	touch $(STAMP)
 
 install: $(STAMP)

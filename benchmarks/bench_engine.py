@@ -2,27 +2,31 @@
 
 GPU part (needs CUDA): a GPT of ~350M parameters (GPT-2 medium shape: 24 layers, hidden 1024,
 16 heads, vocab 50257, tied embeddings, sequence 1024) trained in bf16 at world size 1:
-tachyon's engine (bf16 weights, fp32 masters and gradient accumulation, FusedAdam) at stages
+tachyon's engine (bf16 weights and gradient accumulation, fp32 masters, FusedAdam) at stages
 0, 1 and 2 against a plain PyTorch AMP loop (fp32 weights, bf16 autocast,
 torch.optim.AdamW(fused=True)). Reports ms per step, tokens/s, model TFLOP/s (6 * params *
 tokens + attention), MFU against the datasheet peak and the measured bf16 matmul rate, and peak
 memory.
 
-CPU part (always): model-state bytes per rank that ``engine.memory_breakdown()`` measures on
-real gloo ranks for N = 1, 2, 4, stages 0/1/2, fp16 and bf16 (fp32 gradient accumulation), next
-to the ZeRO formulas (fp16 + Adam: 16, 4 + 12/N, 2 + 14/N bytes per parameter).
+CPU part (always): model-state bytes per rank that ``engine.memory_breakdown()`` measures after
+the boundary backward on real gloo ranks for N = 1, 2, 4, stages 0/1/2, fp16 and bf16 (bf16 and
+fp32 gradient accumulation), DeepSpeed's default zero_optimization keys, next to the formulas of
+`tachyon.engine.zero.model_state_bytes`.
 
-DeepSpeed comparison (only where ``import deepspeed`` works; otherwise a line says why): on
-2 and 4 gloo ranks, the same GPT (~2.1M parameters, same seed) in bf16 with bf16 or fp32
-gradient accumulation, stages 0/1/2, two bucket sizes, under tachyon and DeepSpeed
-(``"torch_adam": true``, ``DS_ACCELERATOR=cpu``). Both engines' bytes come from walking the
-tensors reachable from the engine object at the peak points of a step (during backward, after it,
-inside the optimizer step); tachyon's also from ``engine.memory_breakdown()``. DeepSpeed does not
-belong in the project venv: see benchmarks/results/2026-11-21-cpu-zero-memory-vs-deepspeed.md for
-the scratch venv it runs in.
+Live-storage part (always; with DeepSpeed's figures where ``import deepspeed`` works, otherwise a
+line says why): on 2 and 4 gloo ranks, 8 x Linear(1024, 1024) (8.4M parameters, the model of the
+report that first compared the default configs), bf16 and fp16, stages 0/1/2, DeepSpeed's default
+keys and tuned buckets (2e5 elements, overlap_comm), under tachyon (its defaults, and bf16 with
+fp32 accumulation) and DeepSpeed (``"torch_adam": true``, ``DS_ACCELERATOR=cpu``). Each rank counts
+every live tensor storage of its process (`tachyon.engine.zero.live_tensor_storages`: whatever a
+library keeps, reported or not) that was not alive before the model was built, after the backward,
+inside the inner optimizer's step, after the step, and at every gradient hook of the backward.
+DeepSpeed does not belong in the project venv: see
+benchmarks/results/2026-11-25-cpu-zero-memory-default-config.md for the scratch venv it runs in.
 
 Usage: python benchmarks/bench_engine.py [--quick] [--cpu-only] [--smoke] [--deepspeed-only]
        [--ds-gas N]
+  --deepspeed-only runs only the live-storage part; --quick: 2 ranks, bf16, default keys.
   --smoke runs the GPU-part code on a tiny GPT (on CPU when there is no GPU): a check that the
   script works, not a measurement.
 """
@@ -204,7 +208,7 @@ def _memory_rank(rank: int, world: int, port: int, psi_config: dict, queue) -> N
 
     init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120), verbose=False)
     out = []
-    for precision in ("fp16", "bf16"):
+    for precision, accum in (("fp16", None), ("bf16", None), ("bf16", "fp32")):
         for stage in (0, 1, 2):
             torch.manual_seed(0)
             model = GPT(**psi_config)
@@ -213,15 +217,20 @@ def _memory_rank(rank: int, world: int, port: int, psi_config: dict, queue) -> N
                 "gradient_accumulation_steps": 1,
                 precision: {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})},
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-                "zero_optimization": {"stage": stage, "reduce_bucket_size": 100_000, "overlap_comm": True},
+                "zero_optimization": {"stage": stage},
             }
+            if accum:
+                config["data_types"] = {"grad_accum_dtype": accum}
             engine, *_ = tachyon.initialize(model=model, config=config)
             tokens = torch.randint(0, psi_config["vocab"], (1, psi_config["seq"]))
             while engine.global_steps == engine.skipped_steps:  # until a step creates the Adam state
                 engine.backward(engine(tokens))
                 engine.step()
+            engine.backward(engine(tokens))  # measured after the boundary backward, before its step
             memory = engine.memory_breakdown()
-            out.append({"precision": precision, "stage": stage, "psi": engine.zero.flat.num_params, **memory})
+            engine.step()
+            out.append({"precision": precision, "accum": accum or precision, "stage": stage,
+                        "psi": engine.zero.flat.num_params, **memory})
     queue.put((rank, out))
     torch.distributed.destroy_process_group()
 
@@ -234,30 +243,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_memory_part(args) -> list[dict]:
+def _spawn(target, world: int, *args, timeout: float = 1800) -> dict[int, object]:
+    """Run ``target(rank, world, port, *args, queue)`` on ``world`` spawned processes; returns
+    {rank: what the rank put on the queue}."""
     import torch.multiprocessing as mp
 
-    size = dict(vocab=1000, seq=32, hidden=128, layers=2, heads=4)
     ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=timeout) for _ in range(world))
+    for p in procs:
+        p.join(timeout=60)
+    return results
+
+
+def cpu_memory_part(args) -> list[dict]:
+    from tachyon.engine.zero import model_state_bytes
+
+    size = dict(vocab=1000, seq=32, hidden=128, layers=2, heads=4)
     rows = []
     for world in (1, 2, 4):
-        queue = ctx.Queue()
-        port = _free_port()
-        procs = [ctx.Process(target=_memory_rank, args=(r, world, port, size, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=600) for _ in range(world))
-        for p in procs:
-            p.join(timeout=60)
+        results = _spawn(_memory_rank, world, size, timeout=600)
         for entry in results[0]:
             psi, n = entry["psi"], world
-            per_param = {
-                "fp16": {0: 16, 1: 4 + 12 / n, 2: 2 + 14 / n},
-                "bf16": {0: 18, 1: 6 + 12 / n, 2: 2 + 16 / n},
-            }[entry["precision"]][entry["stage"]]
+            formula = model_state_bytes(psi, n, entry["stage"], grad_accum_bytes=4 if entry["accum"] == "fp32" else 2)
             rows.append({
                 "N": n,
-                "precision": entry["precision"] + (" (fp32 grad accum)" if entry["precision"] == "bf16" else ""),
+                "precision": entry["precision"],
+                "grad accum": entry["accum"],
                 "stage": entry["stage"],
                 "Psi": psi,
                 "params B": entry["parameters"],
@@ -266,160 +282,148 @@ def cpu_memory_part(args) -> list[dict]:
                 "optim B": entry["optimizer_states"],
                 "model states B": entry["model_states"],
                 "bytes/param": round(entry["model_states"] / psi, 2),
-                "formula bytes/param": round(per_param, 2),
+                "formula bytes/param": round(formula["model_states"] / psi, 2),
                 "buckets B": entry["buckets"],
             })
-    print_table(rows, title="model-state bytes per rank (measured by engine.memory_breakdown on gloo ranks)")
+    print_table(rows, title="model-state bytes per rank after the boundary backward, default config "
+                            "(engine.memory_breakdown on gloo ranks)")
     return rows
 
 
-# ---------------------------------------------------------------------- vs DeepSpeed (CPU, gloo)
-DS_SIZE = dict(vocab=2048, seq=32, hidden=256, layers=2, heads=4)  # ~2.1M parameters (tied head)
-# reduce/allgather bucket elements, the same for both engines: below the largest parameter (the
-# 524,288-element embedding) and near the whole model
-DS_BUCKETS = (200_000, 2_000_000)
+# ---------------------------------------------------------------------- live storages vs DeepSpeed (CPU, gloo)
+class MLP(torch.nn.Sequential):
+    """``depth`` Linear(width, width) layers: 8 x 1024 is the 8.4M-parameter model of the report
+    that DeepSpeed's default config was first compared on. x: [batch, width] -> [batch, width]."""
+
+    def __init__(self, width: int = 1024, depth: int = 8):
+        super().__init__(*[torch.nn.Linear(width, width) for _ in range(depth)])
+        self.width = width
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
-    """(data pointer, bytes) of the tensor's storage; None for meta tensors and empty storages."""
-    if t.device.type == "meta":
-        return None
-    storage = t.untyped_storage()
-    return (storage.data_ptr(), storage.nbytes()) if storage.nbytes() and storage.data_ptr() else None
+BUCKETS = {
+    "default": {},  # DeepSpeed's default keys: reduce/allgather_bucket_size 5e8, overlap_comm false
+    "tuned": {"reduce_bucket_size": 200_000, "allgather_bucket_size": 200_000, "overlap_comm": True},
+}
+POINTS = ("after backward", "in step", "after step")
 
 
-def _reachable_storages(root) -> dict[tuple[int, int], list[str]]:
-    """Every tensor storage reachable from ``root`` (engine object graph), keyed by (ptr, bytes),
-    with the attribute paths that reached it (a bucket buffer is also reached as param.grad views).
-    Follows __dict__ of deepspeed/tachyon/torch objects, containers, tensor ``.grad`` and tensor
-    attributes; not closures, globals or locals of running frames."""
-    from collections import deque
-
-    found: dict[tuple[int, int], list[str]] = {}
-    seen: set[int] = set()
-    todo = deque([(root, "engine")])
-    prefixes = ("deepspeed", "tachyon", "torch.nn", "torch.optim", "benchmarks", "__main__", "__mp_main__")
-    while todo:
-        obj, path = todo.popleft()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            key = _storage_key(obj)
-            if key is not None:
-                found.setdefault(key, []).append(path)
-            if obj.grad is not None:
-                todo.append((obj.grad, path + ".grad"))
-            for name, value in getattr(obj, "__dict__", {}).items():
-                todo.append((value, f"{path}.{name}"))
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                todo.append((v, f"{path}[{k if isinstance(k, (str, int)) else type(k).__name__}]"))
-        elif isinstance(obj, (list, tuple, set, frozenset, deque)):
-            for i, v in enumerate(obj):
-                todo.append((v, f"{path}[{i}]"))
-        elif type(obj).__module__.startswith(prefixes) and hasattr(obj, "__dict__"):
-            for name, value in vars(obj).items():
-                todo.append((value, f"{path}.{name}"))
-    return found
-
-
-def _classify(engine, module: torch.nn.Module, inner: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes per category over unique storages reachable from ``engine``: parameters (the
-    module's), master_weights (what the inner torch optimizer updates, unless they are the module
-    parameters), optimizer_states (its state tensors), buckets (paths naming ipg/bucket buffers)
-    and gradients (everything else: param.grad, accumulators, flat fp32 partition grads)."""
-    found = _reachable_storages(engine)
-    groups = {"parameters": set(), "master_weights": set(), "optimizer_states": set()}
-    for p in module.parameters():
-        groups["parameters"].add(_storage_key(p))
-    for group in inner.param_groups:
-        for p in group["params"]:
-            key = _storage_key(p)
-            if key not in groups["parameters"]:
-                groups["master_weights"].add(key)
-            for v in inner.state.get(p, {}).values():
-                if torch.is_tensor(v) and v.numel() > 1:
-                    groups["optimizer_states"].add(_storage_key(v))
-    out = dict.fromkeys(("parameters", "gradients", "master_weights", "optimizer_states", "buckets", "other"), 0)
-    other_paths = []
-    for key, paths in found.items():
-        category = next((name for name, keys in groups.items() if key in keys), None)
-        low = " ".join(paths).lower()
-        if category is not None:
-            pass
-        elif "ipg" in low or "bucket" in low:
-            category = "buckets"
-        elif "grad" in low:
-            category = "gradients"
-        else:
-            category, _ = "other", other_paths.append(f"{paths[0]}:{key[1]}")
-        out[category] += key[1]
-    out["model_states"] = sum(out[k] for k in ("parameters", "gradients", "master_weights", "optimizer_states"))
-    out["other_paths"] = ";".join(sorted(other_paths)[:8])
-    return out
-
-
-def _snapshot_at_peak(engine, inner: torch.optim.Optimizer, measure, tokens: torch.Tensor, gas: int) -> dict:
-    """Run two optimizer steps of ``gas`` micro-batches (the Adam state exists afterwards), then a
-    third measured at every gradient accumulation during its backwards (buckets live there), after
-    each backward, and inside the inner optimizer's step (fp32 gradient partitions live there).
-    Returns the snapshot with the most model-state bytes, plus the largest model states + buckets
-    over all snapshots."""
-    snaps = []
-    original = inner.step
-
-    def step(*args, **kwargs):
-        snaps.append(("in optimizer step", measure()))
-        return original(*args, **kwargs)
-
-    for _ in range(2 * gas):
-        engine.backward(engine(tokens))
-        engine.step()
-    if not any(len(state) for state in inner.state.values()):
-        raise RuntimeError("the Adam state should exist after two steps")
-    handles = [
-        p.register_post_accumulate_grad_hook(lambda _: snaps.append(("in backward", measure())))
-        for p in engine.module.parameters() if p.requires_grad
-    ]
-    inner.step = step
-    try:
-        for _ in range(gas):
-            engine.backward(engine(tokens))
-            snaps.append(("after backward", measure()))
-            engine.step()
-    finally:
-        inner.step = original
-        for handle in handles:
-            handle.remove()
-    where, best = max(snaps, key=lambda s: s[1]["model_states"])
-    where_b, best_b = max(snaps, key=lambda s: s[1]["model_states"] + s[1]["buckets"])
-    return {**best, "at": where, "with_buckets": best_b["model_states"] + best_b["buckets"],
-            "buckets": best_b["buckets"], "at_with_buckets": where_b}
-
-
-def _ds_config(stage: int, accum: str, bucket: int, gas: int, tachyon_side: bool) -> dict:
+def _compare_config(side: str, precision: str, accum: str | None, stage: int, buckets: str, gas: int) -> dict:
     config = {
-        "train_micro_batch_size_per_gpu": 1,
+        "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": gas,
-        "bf16": {"enabled": True},
-        "data_types": {"grad_accum_dtype": accum},
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": bucket,
-            "allgather_bucket_size": bucket,
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-        },
+        precision: {"enabled": True},
+        "zero_optimization": {"stage": stage, **BUCKETS[buckets]},
     }
-    if tachyon_side:
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
-    else:
+    if accum:
+        config["data_types"] = {"grad_accum_dtype": accum}
+    if side == "deepspeed":  # torch.optim.AdamW inside (no compiled op on this machine)
         config["optimizer"] = {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True, "adam_w_mode": True}}
+    else:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
     return config
 
 
-def _ds_rank(rank: int, world: int, port: int, buckets: tuple[int, ...], gas: int, queue) -> None:
+def _classify(new: dict, module: torch.nn.Module, inner: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of ``new`` ({storage key: bytes}) by kind: the module's parameters, the tensors the
+    inner torch optimizer updates (master weights, unless they are the parameters), its state,
+    and everything else (gradients, bucket buffers, anything a library keeps besides)."""
+    def key(t: torch.Tensor) -> tuple[str, int]:
+        return (t.device.type, t.untyped_storage().data_ptr())
+
+    params = {key(p) for p in module.parameters()}
+    masters = {key(p) for g in inner.param_groups for p in g["params"]} - params
+    states = {key(v) for st in inner.state.values() for v in st.values() if torch.is_tensor(v)}
+    out = dict.fromkeys(("parameters", "master_weights", "optimizer_states", "other"), 0)
+    for k, nbytes in new.items():
+        kind = ("parameters" if k in params else "master_weights" if k in masters
+                else "optimizer_states" if k in states else "other")
+        out[kind] += nbytes
+    out["total"] = sum(new.values())
+    return out
+
+
+def _measure(side: str, precision: str, accum: str | None, stage: int, buckets: str, gas: int) -> dict:
+    """Build one engine on `MLP`, train two steps (Adam's state exists), then count every live
+    tensor storage of the process that was not alive before the model was built: at every
+    gradient hook of the third step's backward ("in backward", which also sees the activations
+    Python still references), after its backward, inside the inner optimizer's step and after
+    the step."""
+    import tachyon
+    from tachyon.engine.zero import live_tensor_storages
+
+    base = live_tensor_storages()
+    torch.manual_seed(0)
+    model = MLP()
+    config = _compare_config(side, precision, accum, stage, buckets, gas)
+    if side == "deepspeed":
+        import deepspeed
+
+        engine = deepspeed.initialize(model=model, config=config)[0]
+        inner = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
+    else:
+        engine = tachyon.initialize(model=model, config=config)[0]
+        inner = engine.optimizer
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    x = torch.randn(4, model.width, generator=torch.Generator().manual_seed(1)).to(dtype)
+    peaks: dict[str, dict] = {}
+
+    def snapshot(point: str) -> None:
+        now = live_tensor_storages()
+        new = {k: v for k, v in now.items() if base.get(k) != v}
+        got = _classify(new, model, inner)
+        if point not in peaks or got["total"] > peaks[point]["total"]:
+            peaks[point] = got
+
+    def micro_step() -> None:
+        loss = engine(x).float().square().mean()
+        engine.backward(loss)
+        del loss
+
+    for _ in range(2 * gas):
+        micro_step()
+        engine.step()
+    original = inner.step
+    handles = [p.register_post_accumulate_grad_hook(lambda _: snapshot("in backward")) for p in model.parameters()]
+
+    def counted_step(*args, **kwargs):
+        snapshot("in step")
+        return original(*args, **kwargs)
+
+    inner.step = counted_step
+    try:
+        for _ in range(gas):
+            micro_step()
+            snapshot("after backward")
+            engine.step()
+        snapshot("after step")
+    finally:
+        inner.step = original
+        for h in handles:
+            h.remove()
+    psi = sum(p.numel() for p in model.parameters())
+    optimizer = type(engine.optimizer).__name__
+    del engine, model, inner
+    return {"psi": psi, "optimizer": optimizer, "points": peaks}
+
+
+def _warm_up(side: str) -> None:
+    config = _compare_config(side, "bf16", None, 2, "default", 1)
+    model = MLP(width=64, depth=2)
+    if side == "deepspeed":
+        import deepspeed
+
+        engine = deepspeed.initialize(model=model, config=config)[0]
+    else:
+        import tachyon
+
+        engine = tachyon.initialize(model=model, config=config)[0]
+    engine.backward(engine(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().mean())
+    engine.step()
+    del engine, model
+    gc.collect()
+
+
+def _compare_rank(rank: int, world: int, port: int, variants: list[tuple], gas: int, queue) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu",
@@ -427,135 +431,127 @@ def _ds_rank(rank: int, world: int, port: int, buckets: tuple[int, ...], gas: in
     torch.set_num_threads(1)
     import logging
 
-    import deepspeed
-    import tachyon
+    import tachyon  # noqa: F401
 
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    try:
+        import deepspeed
+    except ImportError:
+        deepspeed = None
+    if deepspeed is not None:
+        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    else:
+        from tachyon.parallel.distributed import init_distributed
+
+        init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=600), verbose=False)
+    for side in ("tachyon",) + (("deepspeed",) if deepspeed is not None else ()):
+        _warm_up(side)  # one-time global tensors of each library (not model state) land before any baseline
     out = []
-    for bucket, accum, stage in [(b, a, s) for b in buckets for a in ("bf16", "fp32") for s in (0, 1, 2)]:
-        tokens = torch.randint(0, DS_SIZE["vocab"], (1, DS_SIZE["seq"]), generator=torch.Generator().manual_seed(1))
-        row = {"bucket": bucket, "grad_accum": accum, "stage": stage}
-        for side in ("tachyon", "deepspeed"):
-            torch.manual_seed(0)
-            model = GPT(**DS_SIZE)
-            row["psi"] = sum(p.numel() for p in model.parameters())
-            try:
-                if side == "tachyon":
-                    engine, *_ = tachyon.initialize(model=model, config=_ds_config(stage, accum, bucket, gas, True))
-
-                    def measure(engine=engine):
-                        own = engine.memory_breakdown()
-                        walk = _classify(engine, engine.module, engine.optimizer)
-                        return {**own, "walk_total": walk["model_states"] + walk["buckets"] + walk["other"]}
-
-                    inner = engine.optimizer
-                else:
-                    engine, *_ = deepspeed.initialize(model=model, config=_ds_config(stage, accum, bucket, gas, False))
-                    inner = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
-
-                    def measure(engine=engine, inner=inner):
-                        return _classify(engine, engine.module, inner)
-
-                row[side] = _snapshot_at_peak(engine, inner, measure, tokens, gas)
-                row[side]["wrapper"] = type(engine.optimizer).__name__
-            except Exception as error:  # noqa: BLE001 - reported in the table, not hidden
-                row[side] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
-            del model
-            engine = None
-            gc.collect()
+    for side, precision, accum, stage, buckets in variants:
+        if side == "deepspeed" and deepspeed is None:
+            continue
+        row = {"side": side, "precision": precision, "accum": accum, "stage": stage, "buckets": buckets}
+        try:
+            row.update(_measure(side, precision, accum, stage, buckets, gas))
+        except Exception as error:  # noqa: BLE001 - reported in the table, not hidden
+            row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:140]}"
+        gc.collect()
         out.append(row)
     queue.put((rank, out))
     torch.distributed.destroy_process_group()
 
 
-def summarize_vs_deepspeed(rows: list[dict]) -> list[dict]:
-    """One row per (N, gas, bucket, grad accum, stage): each side's largest bytes over ranks, per Psi,
-    for model states and for model states + reduce buckets, and the ratios tachyon / DeepSpeed."""
+def _variants(quick: bool) -> list[tuple]:
+    """(side, precision, grad accum, stage, buckets): tachyon's defaults, tachyon bf16 with fp32
+    accumulation (the choice the table decides), DeepSpeed's defaults. A warm-up variant of each
+    library runs first, so one-time global tensors land before any baseline."""
     out = []
-    keys = ("N", "gas", "bucket", "grad accum", "stage")
+    for buckets in ("default",) if quick else ("default", "tuned"):
+        for precision in ("bf16",) if quick else ("bf16", "fp16"):
+            for stage in (0, 1, 2):
+                out.append(("tachyon", precision, None, stage, buckets))
+                if precision == "bf16":
+                    out.append(("tachyon", precision, "fp32", stage, buckets))
+                out.append(("deepspeed", precision, None, stage, buckets))
+    return out
+
+
+def summarize_live(rows: list[dict]) -> list[dict]:
+    """One row per (N, buckets, precision, stage): bytes per parameter at each point, the
+    largest over the ranks, for tachyon (default accumulation and fp32), DeepSpeed, and ratios of
+    the largest point (tachyon / DeepSpeed)."""
+    def cell(group, side, accum, point):
+        got = [r for r in group if r["side"] == side and r["accum"] == accum]
+        if not got:
+            return None
+        if any("error" in r for r in got):
+            return "error"
+        return round(max(r["points"][point]["total"] for r in got) / got[0]["psi"], 2)
+
+    out = []
+    keys = ("N", "buckets", "precision", "stage")
     for key in dict.fromkeys(tuple(r[k] for k in keys) for r in rows):
         group = [r for r in rows if tuple(r[k] for k in keys) == key]
-        row = dict(zip(keys, key), Psi=group[0]["Psi"])
-        psi = int(group[0]["Psi"])
-        for side in ("tachyon", "DS"):
-            if any(r["errors"].find(f"{side}:") >= 0 for r in group):
-                row[f"{side} B/Psi"] = row[f"{side} +buckets B/Psi"] = "error"
+        row = dict(zip(keys, key))
+        for name, side, accum in (("tachyon", "tachyon", None), ("tachyon fp32 accum", "tachyon", "fp32"),
+                                  ("DS", "deepspeed", None)):
+            values = [cell(group, side, accum, p) for p in POINTS]
+            if values[0] is None:
                 continue
-            row[f"{side} B/Psi"] = round(max(int(r[f"{side} model states B"]) for r in group) / psi, 2)
-            row[f"{side} +buckets B/Psi"] = max(float(r[f"{side} +buckets B/Psi"]) for r in group)
-        for name, col in (("ratio", "B/Psi"), ("ratio +buckets", "+buckets B/Psi")):
-            t, d = row[f"tachyon {col}"], row[f"DS {col}"]
-            row[name] = round(t / d, 3) if not isinstance(d, str) and not isinstance(t, str) else "-"
-        row["DS optimizer"] = group[0]["DS optimizer"] or "-"
-        row["errors"] = group[0]["errors"][:90]
+            row[f"{name} B/Psi (backward/step/after)"] = "/".join(str(v) for v in values)
+            row[f"{name} max"] = "error" if "error" in values else max(values)
+            row[f"{name} in backward"] = cell(group, side, accum, "in backward")
+        for name in ("tachyon", "tachyon fp32 accum"):
+            t, d = row.get(f"{name} max"), row.get("DS max")
+            if isinstance(t, float) and isinstance(d, float):
+                row[f"{name} / DS"] = round(t / d, 3)
+        errors = {r["side"]: r["error"] for r in group if "error" in r}
+        row["errors"] = "; ".join(f"{k}: {v}" for k, v in errors.items())[:100]
         out.append(row)
-    order = ["N", "gas", "bucket", "grad accum", "stage", "Psi", "tachyon B/Psi", "DS B/Psi", "ratio",
-             "tachyon +buckets B/Psi", "DS +buckets B/Psi", "ratio +buckets", "DS optimizer", "errors"]
-    return [{k: r[k] for k in order} for r in out]
+    return out
 
 
-def deepspeed_part(args) -> list[dict]:
+def live_memory_part(args) -> list[dict]:
+    """Every live tensor storage per rank, tachyon against DeepSpeed (when importable), on 2 and
+    4 gloo ranks, the default config and tuned buckets."""
     try:
         import deepspeed
-    except ImportError as error:
-        print(f"DeepSpeed comparison skipped: `import deepspeed` fails here ({error}).")
-        return []
-    import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+        ds_version = deepspeed.__version__
+    except ImportError as error:
+        print(f"DeepSpeed figures skipped: `import deepspeed` fails here ({error}); tachyon's alone.")
+        ds_version = None
     rows = []
-    buckets = DS_BUCKETS[:1] if args.quick else DS_BUCKETS
     for world in (2,) if args.quick else (2, 4):
-        queue = ctx.Queue()
-        port = _free_port()
-        procs = [ctx.Process(target=_ds_rank, args=(r, world, port, buckets, args.ds_gas, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=1200) for _ in range(world))
-        for p in procs:
-            p.join(timeout=60)
+        results = _spawn(_compare_rank, world, _variants(args.quick), args.ds_gas, timeout=3600)
         for rank in sorted(results):
             for entry in results[rank]:
-                t, d, psi = entry["tachyon"], entry["deepspeed"], entry["psi"]
-                row = {"N": world, "rank": rank, "gas": args.ds_gas, "bucket": entry["bucket"], "grad accum": entry["grad_accum"], "stage": entry["stage"], "Psi": psi}
-                for side, m in (("tachyon", t), ("DS", d)):
-                    if "error" in m:
-                        row[f"{side} model states B"] = m["error"]
-                        continue
-                    for key in ("parameters", "gradients", "master_weights", "optimizer_states", "buckets"):
-                        row[f"{side} {key[:6]} B"] = m[key]
-                    row[f"{side} model states B"] = m["model_states"]
-                    row[f"{side} B/Psi"] = round(m["model_states"] / psi, 2)
-                    row[f"{side} +buckets B/Psi"] = round(m["with_buckets"] / psi, 2)
-                    row[f"{side} at"] = m["at"]
-                    row[f"{side} +buckets at"] = m["at_with_buckets"]
-                if "error" not in t:
-                    row["tachyon walk total B"] = t["walk_total"]
-                if "error" not in d:
-                    row["DS other B"] = d["other"]
-                    row["DS other paths"] = d["other_paths"]
-                    row["DS optimizer"] = d["wrapper"]
-                if "error" not in t and "error" not in d:
-                    row["ratio tachyon/DS"] = round(t["model_states"] / d["model_states"], 3)
-                    row["ratio incl. buckets"] = round(t["with_buckets"] / d["with_buckets"], 3)
+                row = {"N": world, "rank": rank, "gas": args.ds_gas, **{k: v for k, v in entry.items() if k != "points"}}
+                row["accum"] = entry["accum"]
+                row["points"] = entry.get("points", {})
                 rows.append(row)
-    keys = list(dict.fromkeys(k for r in rows for k in r))  # one CSV header for every row
-    rows = [{k: r.get(k, "") for k in keys} for r in rows]
+    table = summarize_live(rows)
+    title = (f"every live tensor storage per rank, bytes per parameter (largest rank), tachyon vs DeepSpeed "
+             f"{ds_version or '(not installed)'}, gas {args.ds_gas}, 8 x Linear(1024, 1024), CPU, gloo")
+    print_table(table, title=title)
+    flat = []
     for r in rows:
-        r["errors"] = "; ".join(f"{side}: {r[f'{side} model states B']}" for side in ("tachyon", "DS")
-                                if isinstance(r.get(f"{side} model states B"), str))
-    print_table(summarize_vs_deepspeed(rows), title=(
-        f"largest model-state bytes on any rank, tachyon vs DeepSpeed {deepspeed.__version__} (bf16, CPU, gloo)"))
-    return rows
+        base = {k: v for k, v in r.items() if k != "points"}
+        for point, got in r["points"].items():
+            flat.append({**base, "point": point, **{f"{k} B": v for k, v in got.items()}})
+        if not r["points"]:
+            flat.append(base)
+    keys = list(dict.fromkeys(k for r in flat for k in r))
+    return [{k: r.get(k, "") for k in keys} for r in flat]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer timed steps")
-    parser.add_argument("--cpu-only", action="store_true", help="only the memory table")
-    parser.add_argument("--deepspeed-only", action="store_true", help="only the DeepSpeed comparison")
-    parser.add_argument("--ds-gas", type=int, default=1, help="gradient accumulation steps in the DeepSpeed comparison")
+    parser.add_argument("--cpu-only", action="store_true", help="only the memory_breakdown table")
+    parser.add_argument("--deepspeed-only", action="store_true",
+                        help="only the live-storage comparison (with DeepSpeed when it imports)")
+    parser.add_argument("--ds-gas", type=int, default=1, help="gradient accumulation steps in the live-storage comparison")
     parser.add_argument("--smoke", action="store_true", help="tiny GPT: check the GPU-part code runs")
     args = parser.parse_args()
     if not args.deepspeed_only:
@@ -568,9 +564,9 @@ def main() -> None:
                 write_csv(output_dir() / "bench_engine_throughput.csv", gpu_rows, "engine_throughput")
         else:
             print("GPU part skipped: no CUDA device (use --smoke to exercise it on CPU)")
-    ds_rows = deepspeed_part(args)
-    if ds_rows:
-        write_csv(output_dir() / "bench_engine_vs_deepspeed.csv", ds_rows, "engine_memory_vs_deepspeed")
+    live_rows = [] if args.cpu_only else live_memory_part(args)
+    if live_rows:
+        write_csv(output_dir() / "bench_engine_live_memory.csv", live_rows, "engine_live_memory_vs_deepspeed")
 
 
 if __name__ == "__main__":

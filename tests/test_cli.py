@@ -68,3 +68,71 @@ def test_capabilities_report_reasons():
     assert set(caps) == {"cuda", "triton", "bf16", "fp8"}
     for name, cap in caps.items():
         assert cap.detail, f"{name} has no detail"
+
+
+# ---------------------------------------------------------------------- tachyon plan
+def _plan_json(capsys, *argv):
+    import json
+
+    code = main(["plan", *argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("stage, gb", [(0, 120.0), (1, 31.4), (2, 16.6)])
+def test_plan_json_reproduces_the_zero_paper_table(capsys, stage, gb):
+    code, plan = _plan_json(capsys, "--params", "7.5B", "--gpus", "64", "--zero", str(stage), "--dtype", "fp16",
+                            "--micro-batch", "1", "--global-batch", "256")  # 4 micro-batches per step
+    assert plan["layout"]["grad_accum"] == 4
+    assert round(plan["memory"]["per_gpu"]["model_states"] / 1e9, 1) == gb
+    assert code == (1 if stage == 0 else 0) and plan["memory"]["fits"] == (stage > 0)  # 120 GB > one 80 GB GPU
+
+
+def test_plan_one_layout_table(capsys):
+    code = main(["plan", "--model", "llama-7b", "--gpus", "8", "--tp", "2", "--pp", "1", "--zero", "1",
+                 "--micro-batch", "1", "--global-batch", "64", "--checkpointing", "full"])
+    out = capsys.readouterr().out
+    assert code == 0
+    for text in ("memory per GPU", "fp32 master weights", "activations", "communication per step", "dp ", "tp ",
+                 "MFU", "fits"):
+        assert text in out, text
+
+
+def test_plan_ranks_the_layouts_left_open(capsys):
+    code, result = _plan_json(capsys, "--model", "gpt2", "--gpus", "16", "--global-batch", "64", "--top", "5")
+    assert code == 0 and result["fit"] > 0 and len(result["layouts"]) == 5
+    speeds = [row["tokens_per_s"] for row in result["layouts"]]
+    assert speeds == sorted(speeds, reverse=True) and all(row["fits"] for row in result["layouts"])
+    assert result["best"]["layout"] == {k: result["layouts"][0][k] for k in result["best"]["layout"]}
+    main(["plan", "--model", "gpt2", "--gpus", "16", "--global-batch", "64"])
+    assert "layouts considered" in capsys.readouterr().out
+
+
+def test_plan_refuses_impossible_inputs_with_exit_status_2(capsys):
+    for argv, message in [
+        (["--model", "gpt2", "--gpus", "8", "--tp", "8"], "tp = 8 must divide the 12 attention heads"),
+        (["--model", "gpt2", "--gpus", "16", "--pp", "16"], "pp = 16 pipeline stages but the model has 12 layers"),
+        (["--layers", "2", "--hidden", "64", "--gpus", "1"], "missing: --heads, --seq, --vocab"),
+        (["--model", "gpt2", "--gpus", "8", "--gpu", "b100"], "unknown GPU 'b100'"),
+        (["--model", "gpt2", "--gpus", "8", "--gpu", "a100", "--dtype", "fp8"], "lacks"),
+    ]:
+        assert main(["plan", *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "gpt2", "--gpus", "7.5"])
+
+
+def test_plan_says_when_nothing_fits_with_exit_status_1(capsys):
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "2", "--global-batch", "2"]) == 1
+    assert "nothing fits" in capsys.readouterr().out
+
+
+def test_plan_reads_an_hf_config(tmp_path, capsys):
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256,
+                                "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 688,
+                                "vocab_size": 32000, "max_position_embeddings": 2048}))
+    code, plan = _plan_json(capsys, "--model", str(path), "--gpus", "1", "--zero", "0", "--tp", "1", "--pp", "1",
+                            "--micro-batch", "1", "--checkpointing", "none")
+    assert code == 0 and plan["model"]["family"] == "llama" and plan["model"]["kv_heads"] == 2

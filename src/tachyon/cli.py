@@ -5,6 +5,7 @@
     tachyon train [CONFIG]  the main job: a small BERT (or GPT) on the embedded corpus (--resume)
     tachyon demo            a small fused-kernel run that prints what it checked
     tachyon launch ...      run a script on several processes through torchrun (--dry-run prints it)
+    tachyon plan ...        memory, communication and step time of a training layout; ranked layouts
 
 Subcommands register themselves in ``SUBCOMMANDS`` (name -> (help, add_arguments, run)), so later
 pieces (train, launch, bench) add one entry each.
@@ -63,6 +64,7 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 from tachyon.parallel import launch as _launch  # noqa: E402  (standard library only at import)
+from tachyon.plan import cli as _plan  # noqa: E402
 from tachyon.train import cli as _train  # noqa: E402
 
 SUBCOMMANDS: dict[str, Subcommand] = {
@@ -70,6 +72,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "launch": ("run a training script on several processes with torchrun", _launch.add_arguments, _launch.run),
     "train": (_train.HELP, _train.add_arguments, _train.run),
     "demo": ("train a small model built from tachyon's fused norms and check it", _demo_arguments, _demo),
+    "plan": (_plan.HELP, _plan.add_arguments, _plan.run),
 }
 
 

@@ -10,15 +10,21 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from tachyon.data import (
-    CLS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, PAD_ID, SEP_ID, ByteTokenizer, CausalLMDataset, MaskedLMDataset,
-    build_lm_datasets, collate, load_works, sample_seed,
+    CLS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL_TOKENS, PAD_ID, SEP_ID, VALIDATION_MASK_PROB, CausalLMDataset,
+    MaskedLMDataset, build_lm_datasets, collate, load_tokenizer, load_works, sample_seed,
 )
 
 KEYS = {"input_ids", "attention_mask", "labels"}
+BYTE = load_tokenizer("byte")  # 256 regular ids (6-261): random replacements hit the original with p = 1/256
 
 
 def _stream(n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+    """Random regular byte-tokenizer ids."""
+    return torch.randint(NUM_SPECIAL_TOKENS, BYTE.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _mlm(tokens, seq_len, **kwargs) -> MaskedLMDataset:
+    return MaskedLMDataset(tokens, seq_len, tokenizer=BYTE, **kwargs)
 
 
 def _check_sample(sample, seq_len):
@@ -76,7 +82,7 @@ def _mlm_counts(ds, indices):
         chosen = labels != IGNORE_INDEX
         assert labels[chosen].tolist() == original[chosen].tolist(), "labels must be the original tokens"
         assert inputs[~chosen].tolist() == original[~chosen].tolist(), "unselected tokens must be untouched"
-        assert int((inputs[chosen] >= 256).sum()) == int((inputs[chosen] == MASK_ID).sum()), \
+        assert int((inputs[chosen] < NUM_SPECIAL_TOKENS).sum()) == int((inputs[chosen] == MASK_ID).sum()), \
             "a replaced token is [MASK] or a regular byte, never another special token"
         selected += int(chosen.sum())
         masked += int((inputs[chosen] == MASK_ID).sum())
@@ -95,7 +101,7 @@ def _within(count, total, p, sigmas=5.0):
 @pytest.mark.parametrize("mask_prob", [0.15, 0.4])
 def test_masking_rate_and_80_10_10_split(mask_prob):
     seq_len = 130
-    ds = MaskedLMDataset(_stream(128 * 200 + 5), seq_len, mask_prob=mask_prob, seed=1234)
+    ds = _mlm(_stream(128 * 200 + 5), seq_len, mask_prob=mask_prob, seed=1234)
     assert len(ds) == 200
     positions = len(ds) * ds.content_len
     selected, masked, randomized, unchanged = _mlm_counts(ds, range(len(ds)))
@@ -109,7 +115,7 @@ def test_masking_rate_and_80_10_10_split(mask_prob):
 
 
 def test_masked_sample_layout():
-    ds = MaskedLMDataset(_stream(1000), 64, seed=0)
+    ds = _mlm(_stream(1000), 64, seed=0)
     assert len(ds) == 1000 // 62
     for i in (0, len(ds) - 1):
         sample = ds[i]
@@ -122,7 +128,7 @@ def test_masked_sample_layout():
 def test_special_tokens_in_the_stream_are_never_selected():
     tokens = _stream(2000)
     tokens[::7] = EOS_ID
-    ds = MaskedLMDataset(tokens, 50, mask_prob=0.9, seed=3)
+    ds = _mlm(tokens, 50, mask_prob=0.9, seed=3)
     for i in range(len(ds)):
         original = tokens[i * 48:(i + 1) * 48]
         sample = ds[i]
@@ -132,18 +138,18 @@ def test_special_tokens_in_the_stream_are_never_selected():
 
 
 def test_at_least_one_prediction_per_sample():
-    ds = MaskedLMDataset(_stream(300), 3, mask_prob=0.01, seed=5)
+    ds = _mlm(_stream(300), 3, mask_prob=0.01, seed=5)
     assert all(int((ds[i]["labels"] != IGNORE_INDEX).sum()) == 1 for i in range(len(ds)))
 
 
 def test_masks_are_deterministic_per_seed_epoch_index():
     tokens = _stream(5000)
-    a, b = MaskedLMDataset(tokens, 40, seed=7), MaskedLMDataset(tokens.clone(), 40, seed=7)
+    a, b = _mlm(tokens, 40, seed=7), _mlm(tokens.clone(), 40, seed=7)
     from_a = {i: a[i] for i in (5, 3, 90, 0)}
     from_b = {i: b[i] for i in (0, 90, 3, 5)}  # another instance, another access order
     for i in from_a:
         assert all(torch.equal(from_a[i][k], from_b[i][k]) for k in KEYS), f"sample {i} differs between instances"
-    assert not torch.equal(a[3]["labels"], MaskedLMDataset(tokens, 40, seed=8)[3]["labels"])
+    assert not torch.equal(a[3]["labels"], _mlm(tokens, 40, seed=8)[3]["labels"])
     b.set_epoch(1)
     assert not torch.equal(a[3]["labels"], b[3]["labels"]), "a new epoch draws new masks"
     a.set_epoch(1)
@@ -202,7 +208,7 @@ def test_collate_stacks_and_pads():
 
 
 def test_distributed_ranks_see_disjoint_deterministic_batches():
-    ds = MaskedLMDataset(_stream(4000), 32, seed=11)
+    ds = _mlm(_stream(4000), 32, seed=11)
     seen = []
     for rank in range(2):
         sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=0, drop_last=True)
@@ -217,13 +223,30 @@ def test_distributed_ranks_see_disjoint_deterministic_batches():
 
 def test_build_lm_datasets_on_the_corpus():
     train, val = build_lm_datasets("causal", 256)
-    n_train = sum(len(work) + 1 for work in load_works("train"))  # ASCII bytes + one [EOS] per work
-    assert isinstance(train, CausalLMDataset) and len(train) == (n_train - 257) // 256 + 1
+    assert isinstance(train, CausalLMDataset) and len(train) == (train.tokens.numel() - 257) // 256 + 1
+    assert train.tokenizer is load_tokenizer("bpe") and 1.0e6 < train.tokens.numel() < 1.1e6
     assert 0.03 < len(val) / (len(train) + len(val)) < 0.07
-    assert ByteTokenizer().decode(train[0]["input_ids"]).startswith("ANTONY AND CLEOPATRA")
+    assert train.tokenizer.decode(train[0]["input_ids"]).startswith("ANTONY AND CLEOPATRA")
     assert int((train.tokens == EOS_ID).sum()) == 24 and int((val.tokens == EOS_ID).sum()) == 24
-    mtrain, mval = build_lm_datasets("masked", 128, seed=3)
-    assert isinstance(mtrain, MaskedLMDataset) and mtrain.seed == mval.seed == 3
-    _check_sample(mval[0], 128)
+    assert train.tokens.tolist()[:50] == train.tokenizer.encode(load_works("train")[0])[:50]
     with pytest.raises(ValueError, match="objective must be one of"):
         build_lm_datasets("seq2seq", 128)
+
+
+def test_masked_validation_hides_every_scored_token():
+    """Training keeps BERT's 80/10/10 at its own mask_prob; validation masks 15 % and shows [MASK]
+    at every scored position, so its loss can only use the context."""
+    train, val = build_lm_datasets("masked", 128, seed=3, mask_prob=0.3)
+    assert train.tokenizer.name == "bpe" and isinstance(train, MaskedLMDataset) and train.seed == val.seed == 3
+    assert (train.mask_prob, train.mask_token_prob, train.random_token_prob) == (0.3, 0.8, 0.1)
+    assert (val.mask_prob, val.mask_token_prob, val.random_token_prob) == (VALIDATION_MASK_PROB, 1.0, 0.0)
+    scored = inputs = 0
+    for i in range(len(val)):
+        sample = val[i]
+        _check_sample(sample, 128)
+        chosen = sample["labels"] != IGNORE_INDEX
+        scored += int(chosen.sum())
+        inputs += int((sample["input_ids"][chosen] == MASK_ID).sum())
+    assert scored == inputs > 0, f"{scored - inputs} of {scored} scored validation inputs are not [MASK]"
+    ok, msg = _within(scored, len(val) * 126 - 24, VALIDATION_MASK_PROB)
+    assert ok, f"validation selection rate: {msg}"

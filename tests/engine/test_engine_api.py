@@ -72,7 +72,7 @@ def test_bf16_casts_the_model_and_keeps_fp32_masters():
     (master,) = optimizer.param_groups[0]["params"]
     assert master.dtype == torch.float32
     assert_close(master[: model[0].weight.numel()], model[0].weight.float().reshape(-1), rtol=0, atol=0)
-    assert engine.precision.grad_accum_dtype == torch.float32
+    assert engine.precision.grad_accum_dtype == torch.bfloat16  # DeepSpeed's default: accumulate in bf16
 
 
 def test_train_and_eval_switch_the_module():
@@ -158,6 +158,12 @@ def test_one_flat_master_per_param_group_with_segments():
               {"params": [model[0].bias, model[2].weight, model[2].bias, model[3].bias], "weight_decay": 0.0}]
     engine, optimizer, *_ = tachyon.initialize(model=model, model_parameters=groups, optimizer=adamw, config=BASE)
     assert len(optimizer.param_groups) == 2 and optimizer.param_groups[1]["weight_decay"] == 0.0
+    assert "segments" not in optimizer.param_groups[0], "only LAMB needs the segment table"
+    model = make_model()
+    groups = [{"params": [model[0].weight, model[3].weight]},
+              {"params": [model[0].bias, model[2].weight, model[2].bias, model[3].bias], "weight_decay": 0.0}]
+    lamb = dict(BASE, optimizer={"type": "Lamb", "params": {"lr": 1e-3}})
+    engine, optimizer, *_ = tachyon.initialize(model=model, model_parameters=groups, config=lamb)
     segments = optimizer.param_groups[0]["segments"]
     assert segments.tolist() == [[0, 78, 0], [78, 39, 1]] and optimizer.param_groups[0]["num_segments"] == 2
     assert optimizer.norm_reducer(torch.ones(2)).tolist() == [1.0, 1.0]
@@ -237,12 +243,16 @@ def test_memory_breakdown_single_process_fp32_stage0():
     model = make_model()
     engine, *_ = tachyon.initialize(model=model, optimizer=adamw, config=Case(stage=0).config(1))
     train_micro_step(engine, 0, 0)
+    x, y = batch(1, 0, 0, torch.float32)
+    engine.backward(loss_fn(engine(x.to(engine.device)), y.to(engine.device)))  # gradients held until the step
     memory = engine.memory_breakdown()
     psi = engine.zero.flat.numel  # padded element count
     # fp32: masters alias the model, so 4 (params) + 4 (grads) + 8 (Adam moments) bytes each
     assert memory["parameters"] == 4 * psi and memory["gradients"] == 4 * psi
     assert memory["master_weights"] == 0 and memory["optimizer_states"] == 8 * psi + 4  # + the step scalar
     assert memory["model_states"] == 16 * psi + 4 and memory["buckets"] == 0
+    engine.step()
+    assert engine.memory_breakdown()["gradients"] == 0  # freed by the step
 
 
 def test_initializing_the_same_model_twice_trains_like_a_fresh_engine():
@@ -274,4 +284,12 @@ def test_an_optimizer_callable_gets_plain_parameters_like_deepspeed():
 
     engine, optimizer, *_ = tachyon.initialize(model=make_model(), optimizer=build, config=BASE)
     assert all(isinstance(p, torch.Tensor) for p in received[0]) and received[0] == engine.zero.masters
-    assert optimizer.param_groups[0]["num_segments"] == 6  # segments attached after construction
+    assert "num_segments" not in optimizer.param_groups[0]  # SGD needs no segment table
+
+    def build_lamb(params):
+        from tachyon.engine.optim.lamb import Lamb
+
+        return Lamb(list(params), lr=1e-3)
+
+    engine, optimizer, *_ = tachyon.initialize(model=make_model(), optimizer=build_lamb, config=BASE)
+    assert optimizer.param_groups[0]["num_segments"] == 6  # LAMB's segments attached after construction

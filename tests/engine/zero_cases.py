@@ -29,31 +29,43 @@ class Case:
     optimizer: str = "torch"
     """"torch": torch.optim.AdamW via a callable; "config-adam"/"config-lamb": the config's."""
     steps: int = 20
-    bucket: int = 40
+    bucket: int | None = 40
+    """reduce_bucket_size (allgather_bucket_size: 3x); None: DeepSpeed's default keys (no bucket
+    keys, no overlap_comm key)."""
+    accum: str | None = None
+    """data_types.grad_accum_dtype (None: the precision's default)."""
+    hidden: int = HIDDEN
+    live: bool = False
+    """Also count every live tensor storage of the process (after the last backward, inside the
+    optimizer step, after the step), less what was alive before the model was built (garbage
+    collected there only: a reference cycle left by training then counts as live)."""
     extra: tuple = ()
     """Top-level config (key, value) pairs to add, e.g. (("prescale_gradients", True),)."""
 
     @property
     def name(self) -> str:
+        bucket = "default-buckets" if self.bucket is None else f"bucket{self.bucket}"
         return (
             f"stage{self.stage}-{self.precision}-gas{self.gas}-clip{self.clip:g}-"
             f"{'overlap' if self.overlap else 'sync'}-{'2groups' if self.groups else '1group'}-{self.optimizer}-"
-            f"{self.steps}steps-bucket{self.bucket}" + "".join(f"-{k}={v}" for k, v in self.extra)
+            f"{self.steps}steps-{bucket}" + (f"-accum{self.accum}" if self.accum else "")
+            + (f"-hidden{self.hidden}" if self.hidden != HIDDEN else "") + ("-live" if self.live else "")
+            + "".join(f"-{k}={v}" for k, v in self.extra)
         )
 
     def config(self, world_size: int) -> dict:
+        zero = {"stage": self.stage}
+        if self.bucket is not None:
+            zero.update(reduce_bucket_size=self.bucket, allgather_bucket_size=3 * self.bucket, overlap_comm=self.overlap)
         cfg = {
             "train_micro_batch_size_per_gpu": MICRO,
             "gradient_accumulation_steps": self.gas,
             "train_batch_size": MICRO * self.gas * world_size,
             "gradient_clipping": self.clip,
-            "zero_optimization": {
-                "stage": self.stage,
-                "reduce_bucket_size": self.bucket,
-                "allgather_bucket_size": 3 * self.bucket,
-                "overlap_comm": self.overlap,
-            },
+            "zero_optimization": zero,
         }
+        if self.accum:
+            cfg["data_types"] = {"grad_accum_dtype": self.accum}
         cfg.update(dict(self.extra))
         if self.precision == "bf16":
             cfg["bf16"] = {"enabled": True}
@@ -66,10 +78,10 @@ class Case:
         return cfg
 
 
-def make_model() -> torch.nn.Module:
+def make_model(hidden: int = HIDDEN) -> torch.nn.Module:
     gen = torch.Generator().manual_seed(1234)
     model = torch.nn.Sequential(
-        torch.nn.Linear(IN, HIDDEN), torch.nn.GELU(), torch.nn.LayerNorm(HIDDEN), torch.nn.Linear(HIDDEN, OUT)
+        torch.nn.Linear(IN, hidden), torch.nn.GELU(), torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, OUT)
     )
     with torch.no_grad():
         for p in model.parameters():
@@ -98,31 +110,53 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def train_on_rank(case: Case) -> dict:
     """Train ``case`` with tachyon.initialize on this rank; returns the final parameters (fp32
-    copies), the memory breakdown and the grad norms seen."""
+    copies), the memory breakdown after the last backward (before its step), the live-storage
+    counts when ``case.live``, and the grad norms seen."""
     import torch.distributed as dist
 
     import tachyon
+    from tachyon.engine.zero import live_tensor_bytes
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    model = make_model()
+    base = live_tensor_bytes() if case.live else 0
+    model = make_model(case.hidden)
     kwargs = {}
     if case.optimizer == "torch":
         kwargs["optimizer"] = lambda groups: torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY)
     engine, _, _, _ = tachyon.initialize(
         model=model, model_parameters=param_groups(model, case.groups), config=case.config(world), **kwargs
     )
+    live = {}
+    if case.live:
+        inner_step = engine.optimizer.step
+
+        def step_and_count(*args, **kw):
+            live["in step"] = live_tensor_bytes(collect=False) - base
+            return inner_step(*args, **kw)
+
+        engine.optimizer.step = step_and_count
     dtype = DTYPES[case.precision]
     norms = []
     for step in range(case.steps):
         for micro in range(case.gas):
             x, y = batch(step, micro, rank, dtype)
             engine.backward(loss_fn(engine(x.to(engine.device)), y.to(engine.device)))
+            del x, y
+            if step == case.steps - 1 and micro == case.gas - 1:
+                memory = engine.memory_breakdown()
+                if case.live:
+                    live["after backward"] = live_tensor_bytes(collect=False) - base
             engine.step()
         norms.append(engine.get_global_grad_norm())
+    if case.live:
+        live["after step"] = live_tensor_bytes(collect=False) - base
     return {
         "params": [p.detach().float().cpu().clone() for p in model.parameters()],
-        "memory": engine.memory_breakdown(),
+        "memory": memory,
+        "live": live,
+        "psi": engine.zero.flat.num_params,
+        "padded": engine.zero.flat.numel,
         "norms": norms,
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
@@ -135,7 +169,7 @@ def reference_train(case: Case, world_size: int, device: str = "cpu") -> dict:
     norm clipped like torch.nn.utils.clip_grad_norm_, one optimizer step per batch."""
     from tachyon.engine.optim import FusedAdam, Lamb
 
-    model = make_model()
+    model = make_model(case.hidden)
     dtype = DTYPES[case.precision]
     model.to(device=device, dtype=dtype)
     params = list(model.parameters())
@@ -299,8 +333,73 @@ def rank_hangs_mid_training(timeout_s: float, hang_s: float) -> None:
             raise CollectiveError(f"{error} [failed after {time.monotonic() - start:.1f} s]") from error
 
 
-def rank_main(cases: list[Case], overflow_stages: list[int], inject: list[bool]) -> dict:
+# ---------------------------------------------------------------------- bytes on the wire
+COLLECTIVES = (
+    "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+    "gather", "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+)
+
+
+def _payload(name: str, args: tuple, kwargs: dict) -> int:
+    """Bytes a collective moves, as the ZeRO paper counts them: the reduce-scatter's input (the
+    whole bucket), the all-gather's output (the whole bucket), the all-reduced tensor; anything
+    else: every tensor argument."""
+    tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
+    if name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        tensors = [args[1] if len(args) > 1 else kwargs["input"]]
+    elif name in ("all_gather_single", "all_gather_into_tensor"):
+        tensors = [args[0] if args else kwargs["output_tensor"]]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def collective_bytes_on_rank(case: Case) -> dict:
+    """Train ``case`` for its steps; during the last one every torch.distributed collective is
+    wrapped and recorded as (name, dtype, bytes) (a collective that calls another under an older
+    name is recorded once). Also returns the padded flat size and the number of buckets."""
+    import torch.distributed as dist
+
+    import tachyon
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(case.hidden)
+    engine, _, _, _ = tachyon.initialize(model=model, config=case.config(world),
+                                         optimizer=lambda g: torch.optim.AdamW(g, lr=LR))
+    calls, depth, originals = [], [0], {}
+
+    def wrap(name, fn):
+        def wrapper(*args, **kwargs):
+            if depth[0] == 0:
+                first = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
+                calls.append((name, str(first.dtype) if first is not None else "", _payload(name, args, kwargs)))
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return wrapper
+
+    dtype = DTYPES[case.precision]
+    for step in range(case.steps):
+        if step == case.steps - 1:
+            originals = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
+            for name, fn in originals.items():
+                setattr(dist, name, wrap(name, fn))
+        try:
+            for micro in range(case.gas):
+                x, y = batch(step, micro, rank, dtype)
+                engine.backward(loss_fn(engine(x), y))
+                engine.step()
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+    return {"calls": calls, "padded": engine.zero.flat.numel, "buckets": len(engine.zero.buckets.buckets),
+            "groups": len(engine.zero.flat.regions)}
+
+
+def rank_main(cases: list[Case], overflow_stages: list[int], inject: list[bool], comm_cases: list[Case]) -> dict:
     """Everything one world size checks, in ONE launch (spawning ranks costs seconds)."""
     out = {"cases": run_cases(cases)}
     out["overflow"] = {stage: fp16_overflow_on_rank(stage, inject) for stage in overflow_stages}
+    out["comm"] = {case.name: collective_bytes_on_rank(case) for case in comm_cases}
     return out

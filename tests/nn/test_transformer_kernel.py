@@ -15,6 +15,7 @@ from torch import nn
 from tachyon.kernels.random import rand
 from tachyon.nn import TransformerKernelConfig, TransformerKernelLayer
 from tachyon.nn.transformer_kernel import _kernels, saved_tensor_bytes
+from tests.nn.test_transformer_layer import _seed_with_draw
 from tests.utils import assert_close, assert_close_to_reference
 
 PARAM_GRAD_ATOL = 1e-4  # parameter gradients are sums over batch * seq rows, summed in another order
@@ -410,6 +411,49 @@ def test_return_tuple():
     layer = TransformerKernelLayer(make_config(return_tuple=True))
     out = layer(torch.randn(1, 5, 32))
     assert isinstance(out, tuple) and len(out) == 1 and out[0].shape == (1, 5, 32)
+
+
+# --- progressive layer drop -------------------------------------------------------------------
+
+def test_pld_kept_layer_scales_both_residual_branches_and_dropped_layer_is_the_identity():
+    layer = randomize(TransformerKernelLayer(make_config(num_hidden_layers=4), backend="torch"))
+    layer.layer_number, theta = 2, 0.2
+    keep = 1 - 2 / 4 * (1 - theta)
+    plain = PlainBertLayer(layer)  # the oracle: Wo, bo, Wout, bout times 1 / keep
+    with torch.no_grad():
+        for name in ("attn_out.weight", "attn_out.bias", "out.weight", "out.bias"):
+            plain.get_parameter(name).mul_(1 / keep)
+    x, grad = torch.randn(2, 9, 32), torch.randn(2, 9, 32)
+    torch.manual_seed(_seed_with_draw(keep, kept=True))
+    calls = layer.dropout_calls
+    xk, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_k, out_p = layer(xk, progressive_layer_drop=True, pld_theta=theta), plain(xp)
+    out_k.backward(grad)
+    out_p.backward(grad)
+    assert_fp32_match({"out": out_k, "dx": xk.grad, "attn_qkvw": layer.attn_qkvw.grad},
+                      {"out": out_p, "dx": xp.grad, "attn_qkvw": plain.qkv.weight.grad})
+    assert layer.dropout_calls == calls + 1
+    layer.zero_grad(set_to_none=True)
+    torch.manual_seed(_seed_with_draw(keep, kept=False))
+    assert layer(xk, progressive_layer_drop=True, pld_theta=theta) is xk
+    assert layer.dropout_calls == calls + 1, "a dropped layer must not advance the dropout counter"
+    assert all(p.grad is None for p in layer.parameters())
+
+
+def test_pld_is_off_in_inference_and_refused_for_post_ln_or_without_a_position():
+    layer = randomize(TransformerKernelLayer(make_config(), backend="torch"))
+    x = torch.randn(2, 9, 32)
+    with pytest.raises(ValueError, match="needs the layer's position in its stack"):
+        layer(x, progressive_layer_drop=True, pld_theta=0.5)
+    layer.layer_number = 2
+    layer.eval()
+    dense = layer(x)
+    torch.manual_seed(_seed_with_draw(0.05, kept=False))  # layer 2 of 2 keeps with theta: this draw would drop it
+    assert torch.equal(layer(x, progressive_layer_drop=True, pld_theta=0.05), dense)
+    post = TransformerKernelLayer(make_config(pre_layer_norm=False), backend="torch")
+    post.layer_number = 1
+    with pytest.raises(ValueError, match="needs pre_layer_norm=True"):
+        post(x, progressive_layer_drop=True, pld_theta=0.5)
 
 
 # --- bad input ------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ autocast, and on the Triton path under the interpreter."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import pytest
@@ -282,6 +283,118 @@ def test_transformer_layer_bad_input():
         layer(torch.randn(2, 64))
     with pytest.raises(ValueError, match="from_hf"):
         TransformerLayer.from_hf(torch.nn.Linear(4, 4))
+
+
+# ----------------------------------------------------------------------------------------------
+# progressive layer drop
+# ----------------------------------------------------------------------------------------------
+
+
+def _seed_with_draw(keep: float, kept: bool) -> int:
+    """A torch seed whose next CPU draw keeps (or drops) a layer with probability ``keep``."""
+    for seed in range(1000):
+        torch.manual_seed(seed)
+        if (float(torch.rand(())) < keep) == kept:
+            return seed
+    raise AssertionError("no seed found")
+
+
+def _pld_layer(**kw):
+    torch.manual_seed(0)
+    layer = TransformerLayer(32, 48, 2, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd",
+                             layer_number=3, num_layers=4, **kw)
+    _perturb_norms(layer)
+    return layer
+
+
+def test_pld_dropped_layer_is_the_identity_and_gets_no_gradient():
+    layer, theta = _pld_layer(), 0.6
+    keep = 1 - 3 / 4 * (1 - theta)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    torch.manual_seed(_seed_with_draw(keep, kept=False))
+    y = layer(x, progressive_layer_drop=True, pld_theta=theta)
+    assert y is x
+    (y * 2).sum().backward()
+    assert all(p.grad is None for p in layer.parameters()), "a dropped layer's parameters got gradients"
+
+
+def test_pld_kept_layer_divides_each_residual_branch_by_its_keep_probability():
+    layer, theta = _pld_layer(), 0.6
+    keep = 1 - 3 / 4 * (1 - theta)
+    # the oracle: the same layer without PLD, its branch output projections (proj, fc2) times 1 / keep
+    oracle = copy.deepcopy(layer)
+    with torch.no_grad():
+        for p in (oracle.self_attention.proj.weight, oracle.self_attention.proj.bias,
+                  oracle.layernorm_mlp.fc2_weight, oracle.layernorm_mlp.fc2_bias):
+            p.mul_(1 / keep)
+    x = torch.randn(2, 5, 32)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.manual_seed(_seed_with_draw(keep, kept=True))
+    ya = layer(xa, progressive_layer_drop=True, pld_theta=theta)
+    yb = oracle(xb)
+    assert_close(ya, yb, name="kept layer output")
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    assert_close(xa.grad, xb.grad, name="input gradient")
+    assert_close(layer.layernorm_mlp.fc1_weight.grad, oracle.layernorm_mlp.fc1_weight.grad, atol=1e-5, name="fc1 grad")
+
+
+def test_pld_is_off_in_eval_mode_and_when_not_asked():
+    layer = _pld_layer().eval()
+    x = torch.randn(2, 5, 32)
+    dense = layer(x)
+    for seed in range(20):  # whatever the draw would be, every layer runs unscaled
+        torch.manual_seed(seed)
+        assert torch.equal(layer(x, progressive_layer_drop=True, pld_theta=0.01), dense)
+    layer.train()
+    assert torch.equal(layer(x, progressive_layer_drop=False, pld_theta=0.01), dense)
+
+
+def test_pld_refreshes_the_fp8_weight_cache_when_the_first_micro_batch_skipped_the_layer():
+    """Dropped on the first micro-batch (is_first_microbatch=True), kept on the next (False): the
+    layer must cast its current weights rather than reuse the previous step's cached ones."""
+    from tachyon.fp8 import DelayedScaling, fp8_autocast
+
+    layer, theta = _pld_layer(), 0.6
+    keep = 1 - 3 / 4 * (1 - theta)
+    x = torch.randn(2, 8, 32)
+    recipe = DelayedScaling(amax_history_len=4)
+    with fp8_autocast(fp8_recipe=recipe):  # step 1: caches the weights
+        torch.manual_seed(_seed_with_draw(keep, kept=True))
+        layer(x, is_first_microbatch=True, progressive_layer_drop=True, pld_theta=theta)
+    with torch.no_grad():  # "the optimizer step": very different weights
+        for p in layer.parameters():
+            p.mul_(-1.5)
+    reference = copy.deepcopy(layer)
+    with fp8_autocast(fp8_recipe=recipe):
+        torch.manual_seed(_seed_with_draw(keep, kept=False))
+        assert layer(x, is_first_microbatch=True, progressive_layer_drop=True, pld_theta=theta) is x
+        torch.manual_seed(_seed_with_draw(keep, kept=True))
+        got = layer(x, is_first_microbatch=False, progressive_layer_drop=True, pld_theta=theta)
+    with fp8_autocast(fp8_recipe=recipe):
+        torch.manual_seed(_seed_with_draw(keep, kept=True))
+        want = reference(x, is_first_microbatch=None, progressive_layer_drop=True, pld_theta=theta)
+    assert_close(got, want, name="output after a skipped first micro-batch")
+
+
+def test_pld_bad_arguments():
+    layer = _pld_layer()
+    x = torch.randn(2, 5, 32)
+    with pytest.raises(ValueError, match=r"pld_theta, a number in \(0, 1\]; got 0"):
+        layer(x, progressive_layer_drop=True, pld_theta=0)
+    with pytest.raises(ValueError, match="pld_theta, a number in"):
+        layer(x, progressive_layer_drop=True)
+    with pytest.raises(ValueError, match="progressive_layer_drop must be True or False"):
+        layer(x, progressive_layer_drop="yes", pld_theta=0.5)
+    layer.layer_number = None
+    with pytest.raises(ValueError, match="needs the layer's position in its stack: layer_number"):
+        layer(x, progressive_layer_drop=True, pld_theta=0.5)
+    layer.layer_number, layer.num_layers = 5, 4
+    with pytest.raises(ValueError, match="1 <= layer_number <= num_layers"):
+        layer(x, progressive_layer_drop=True, pld_theta=0.5)
+    post_ln = TransformerLayer(32, 48, 2, output_layernorm=True, layer_number=1, num_layers=2)
+    with pytest.raises(ValueError, match="needs a pre-LN layer"):
+        post_ln(torch.randn(5, 2, 32), progressive_layer_drop=True, pld_theta=0.5)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,9 +42,19 @@ def test_every_example_config_is_valid_for_the_engine(path, bf16):
     assert checked.train_micro_batch_size_per_gpu >= 1
 
 
-def test_the_default_example_is_the_built_in_default():
-    # `tachyon train` from an installed package (no examples/) trains the same job
-    assert load_train_config(EXAMPLES / "train_bert_cpu.json") == load_train_config(None)
+@pytest.mark.parametrize("model", ["bert", "gpt"])
+def test_the_default_examples_are_the_built_in_jobs(model):
+    # `tachyon train [--model M]` from an installed package (no examples/) trains the same job
+    assert load_train_config(EXAMPLES / f"train_{model}_cpu.json") == load_train_config(None, model=model)
+    assert load_train_config(None, model=model).model == model
+
+
+def test_model_overrides_a_config_file(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"model": "bert", "steps": 10}))
+    assert load_train_config(path, model="gpt").model == "gpt"
+    with pytest.raises(ConfigError, match="model must be one of bert, gpt; got 't5'"):
+        load_train_config(None, model="t5")
 
 
 def test_defaults_and_fill_ins():
@@ -79,6 +91,8 @@ def test_overrides_apply_on_top_of_the_file(tmp_path):
         ({"model": "gpt", "kernel_flags": {"gelu_checkpoint": True}}, "model 'bert' only"),
         ({"position": "rope"}, "model 'gpt' only"),
         ({"hidden_dropout": 1.5}, "`hidden_dropout`"),
+        ({"tokenizer": "wordpiece"}, "tokenizer must be \"bpe\", \"byte\" or the path of a tokenizer.json"),
+        ({"eval_batches": 0}, "`eval_batches`"),
     ],
 )
 def test_bad_config_raises_config_error_naming_the_key(raw, message):
@@ -125,6 +139,8 @@ def test_launch_command_reexecutes_through_torchrun():
     assert cmd[6:8] == ["-m", "tachyon.train"]
     assert cmd[8:] == ["examples/train_ci.json", "--output-dir", "runs/x", "--steps", "40", "--resume"]
     assert launch_command(_args(), 4, Path("o"))[8:] == ["--output-dir", "o"]
+    assert launch_command(_args("--model", "gpt", "--quiet", "--no-progress"), 2, Path("o"))[8:] == [
+        "--model", "gpt", "--output-dir", "o", "--no-progress", "--quiet"]
 
 
 def test_run_reports_a_bad_config_with_exit_code_2(tmp_path, capsys):
@@ -142,11 +158,12 @@ def test_run_reports_a_bad_config_with_exit_code_2(tmp_path, capsys):
 def test_a_resumed_epoch_continues_with_the_next_unseen_micro_batch():
     from torch.utils.data import DistributedSampler
 
-    from tachyon.data import ByteTokenizer, MaskedLMDataset
-    from tachyon.train.run import _epoch_loader
+    from tachyon.data import MaskedLMDataset, load_tokenizer
+    from tachyon.train.helpers import epoch_loader as _epoch_loader
 
-    tokens = ByteTokenizer().encode_tensor("To be, or not to be, that is the question. " * 12)
-    data = MaskedLMDataset(tokens, 16, seed=3)
+    byte = load_tokenizer("byte")
+    data = MaskedLMDataset(byte.encode_tensor("To be, or not to be, that is the question. " * 12), 16, seed=3,
+                           tokenizer=byte)
     for rank in (0, 1):
         sampler = DistributedSampler(data, num_replicas=2, rank=rank, seed=5)
         full = list(_epoch_loader(data, sampler, epoch=1, skip_batches=0, micro_batch=3))
@@ -169,7 +186,7 @@ def test_on_a_gpu_machine_the_same_command_uses_every_gpu(monkeypatch):
     assert _process_count(_args("--nproc", "3"), 2) == 3  # an explicit --nproc wins
     config = load_train_config(EXAMPLES / "train_bert_cpu.json")
     # the default config names a micro-batch, not a global batch, so it is valid on any GPU count
-    assert load_config(config.engine_config("bf16"), world_size=8).train_batch_size == 8 * 16
+    assert load_config(config.engine_config("bf16"), world_size=8).train_batch_size == 8 * 64
 
 
 def test_on_a_cpu_machine_the_config_decides(monkeypatch):
@@ -179,3 +196,38 @@ def test_on_a_cpu_machine_the_config_decides(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _process_count(_args(), 2) == 2
+
+
+def test_help_shows_every_option_with_its_default():
+    from tachyon.cli import build_parser
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    for action in train._actions:
+        if action.dest == "help":
+            continue
+        assert action.help and "(default:" in action.help, f"{action.option_strings or action.dest}: {action.help!r}"
+    text = train.format_help()
+    for option in ("--model", "--steps", "--nproc", "--output-dir", "--resume", "--no-progress", "--quiet"):
+        assert option in text, f"{option} missing from `tachyon train --help`"
+
+
+def test_a_missing_train_dependency_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    assert run(_args()) == 2
+    err = capsys.readouterr().err
+    assert "matplotlib is not installed" in err and "pip install 'tachyon[train]'" in err
+
+
+def test_the_tachyon_command_and_tachyon_data_import_without_the_train_extra():
+    script = (
+        "import sys\n"
+        "sys.modules['tokenizers'] = sys.modules['matplotlib'] = None\n"
+        "from tachyon.cli import main\n"
+        "from tachyon.data import padded_vocab_size\n"
+        "assert padded_vocab_size(100) == 128\n"
+        "sys.exit(main(['train', '--steps', '5']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "tachyon train: error: matplotlib and tokenizers are not installed" in proc.stderr
+    assert "pip install 'tachyon[train]'" in proc.stderr and "Traceback" not in proc.stderr

@@ -9,14 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tachyon.data import IGNORE_INDEX, ByteTokenizer, CausalLMDataset, MaskedLMDataset, collate
+from tachyon.data import IGNORE_INDEX, CausalLMDataset, MaskedLMDataset, collate, load_tokenizer
 from tachyon.train.models import GPT, BertMLM, count_parameters, sinusoidal_positions
 from tests.utils import assert_close
 
 VOCAB = 262
 TEXT = ("Shall I compare thee to a summer's day? Thou art more lovely and more temperate: rough winds do "
         "shake the darling buds of May, and summer's lease hath all too short a date.")
-TOKENS = ByteTokenizer().encode_tensor(TEXT)
+BYTE = load_tokenizer("byte")
+TOKENS = BYTE.encode_tensor(TEXT)
 
 
 def _bert(**kw) -> BertMLM:
@@ -29,25 +30,25 @@ def _gpt(**kw) -> GPT:
 
 
 def _masked_batch(batch: int = 3, seq: int = 19) -> dict[str, torch.Tensor]:
-    data = MaskedLMDataset(TOKENS, seq, mask_prob=0.3, seed=0)
+    data = MaskedLMDataset(TOKENS, seq, mask_prob=0.3, seed=0, tokenizer=BYTE)
     return collate([data[i] for i in range(batch)])
 
 
 def _causal_batch(batch: int = 3, seq: int = 19) -> dict[str, torch.Tensor]:
-    data = CausalLMDataset(TOKENS, seq)
+    data = CausalLMDataset(TOKENS, seq, tokenizer=BYTE)
     return collate([data[i] for i in range(batch)])
 
 
 def _bert_full_logits(model: BertMLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """Every position's logits [b, s, padded_vocab], written from the model's parts in plain torch
-    order (head over the whole sequence, as HF's BertForMaskedLM does)."""
+    """Every position's logits [b, s, vocab], written from the model's parts in plain torch
+    order (head over the whole sequence, as HF's BertForMaskedLM does; the padded rows dropped)."""
     x = model.token_embedding(input_ids) + model.position_embedding(torch.arange(input_ids.shape[1]))
     x = model.embedding_norm(x)
     for layer in model.layers:
         x = layer(x)
     h = model.final_norm(x)
     h = model.transform_norm(F.gelu(model.transform(h)))
-    return model.lm_head(h) + model.lm_bias
+    return (model.lm_head(h) + model.lm_bias)[..., :VOCAB]
 
 
 def test_bert_loss_matches_the_full_sequence_head_and_starts_near_log_vocab():
@@ -58,8 +59,23 @@ def test_bert_loss_matches_the_full_sequence_head_and_starts_near_log_vocab():
     logits = _bert_full_logits(model, batch["input_ids"])
     want = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
     assert_close(loss, want, name="BertMLM loss vs full-sequence head")
-    # small init: close to a uniform guess over the padded vocabulary
-    assert abs(loss.item() - math.log(320)) < 0.1, loss.item()
+    # small init: close to a uniform guess over the vocabulary (the padded rows are never guessed)
+    assert abs(loss.item() - math.log(VOCAB)) < 0.1, loss.item()
+    scored = batch["labels"] != IGNORE_INDEX
+    assert_close(model.logits_at(batch["input_ids"], scored), logits[scored].float(), name="logits_at")
+
+
+def test_bert_output_bias_starts_the_model_at_the_given_distribution():
+    prior = torch.log_softmax(torch.randn(VOCAB) * 3, dim=0)
+    model = _bert(output_bias=prior)
+    assert model.lm_bias[VOCAB:].eq(prior.min()).all(), "the padded rows get the smallest given value"
+    batch = _masked_batch()
+    targets = batch["labels"][batch["labels"] != IGNORE_INDEX]
+    unigram = -prior[targets].mean()
+    # the embeddings are small at init, so the logits are about the bias alone: the loss is the prior's
+    assert abs(model(**batch).item() - unigram.item()) < 0.05, (model(**batch).item(), unigram.item())
+    with pytest.raises(ValueError, match=r"output_bias must be a float tensor \[vocab_size=262\]"):
+        _bert(output_bias=prior[:10])
 
 
 def test_bert_backward_reaches_every_parameter_and_ties_the_head():
@@ -110,7 +126,7 @@ def _gpt_manual_loss(model: GPT, input_ids: torch.Tensor, labels: torch.Tensor) 
     x = x + model.position_embedding(torch.arange(input_ids.shape[1]))
     for layer in model.layers:
         x = layer(x)
-    logits = model.lm_head(model.final_norm(x))
+    logits = model.lm_head(model.final_norm(x))[..., :VOCAB]
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
 
@@ -119,7 +135,8 @@ def test_gpt_loss_shape_gradients_and_causality(position):
     model = _gpt(position=position)
     batch = _causal_batch()
     loss = model(**batch)
-    assert loss.shape == () and abs(loss.item() - math.log(320)) < 0.1
+    assert loss.shape == () and abs(loss.item() - math.log(VOCAB)) < 0.1
+    assert model.logits(batch["input_ids"]).shape == (*batch["input_ids"].shape, VOCAB)
     if position == "learned":
         assert_close(loss, _gpt_manual_loss(model, batch["input_ids"], batch["labels"]), name="GPT loss")
     loss.backward()

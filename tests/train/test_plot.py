@@ -1,100 +1,63 @@
-"""The dependency-free PNG plot: it decodes, has the right size and draws what it should."""
+"""loss.png: matplotlib draws the loss (per step and smoothed), the validation loss, the baseline,
+tokens/s and the learning rate, with labelled axes and a legend, into a readable PNG."""
 
 from __future__ import annotations
 
 import math
-import struct
-import zlib
 
 import pytest
+from matplotlib.image import imread
 
-from tachyon.train.plot import BLUE, GREEN, Canvas, format_tick, nice_ticks, plot_training, read_png, write_png
-
-
-def _pixels(rows: list[bytes]) -> list[tuple[int, int, int]]:
-    return [tuple(row[i:i + 3]) for row in rows for i in range(0, len(row), 3)]
+from tachyon.train.plot import moving_average, plot_training, training_figure
 
 
-def test_plot_training_writes_a_decodable_png_with_both_panels(tmp_path):
-    steps = list(range(1, 121))
-    loss = [2.0 + 3.5 * math.exp(-s / 30) + 0.1 * math.sin(s) for s in steps]
-    tokens = [9000.0 + 300 * math.cos(s / 7) for s in steps]
-    loss[50] = math.nan  # a gap, not a crash
-    path = tmp_path / "loss.png"
-    plot_training(path, steps, loss, tokens, title="bert, 2 x cpu", width=640, height=480)
-
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    length, kind = struct.unpack(">I4s", data[8:16])
-    assert (length, kind) == (13, b"IHDR")
-    assert struct.unpack(">IIBB", data[16:26]) == (640, 480, 8, 2)
-    width, height, rows = read_png(path)
-    assert (width, height, len(rows)) == (640, 480, 480)
-    pixels = _pixels(rows)
-    counts = {color: pixels.count(color) for color in (BLUE, GREEN, (0, 0, 0), (255, 255, 255))}
-    assert counts[BLUE] > 300, "the smoothed loss line is missing"
-    assert counts[GREEN] > 300, "the tokens/s line is missing"
-    assert counts[(0, 0, 0)] > 1500, "axes, ticks and labels are missing"
-    assert counts[(255, 255, 255)] > 0.5 * width * height, "the background should stay mostly white"
-    # the loss line is in the top half, the throughput line in the bottom half
-    top = _pixels(rows[:height // 2])
-    assert top.count(BLUE) == counts[BLUE] and top.count(GREEN) == 0
+def _rows(n: int = 120) -> list[dict[str, float]]:
+    return [{"step": s, "loss": 2.0 + 3.5 * math.exp(-s / 30) + 0.1 * math.sin(s),
+             "tokens_per_s": 9000.0 + 300 * math.cos(s / 7), "lr": 1e-3 * min(1.0, s / 10) * (1 - s / (n + 1))}
+            for s in range(1, n + 1)]
 
 
-def test_the_loss_line_goes_down_on_the_image(tmp_path):
-    steps = list(range(1, 41))
-    path = tmp_path / "down.png"
-    plot_training(path, steps, [5.0 - 0.1 * s for s in steps], [1000.0] * 40, width=400, height=300)
-    _, _, rows = read_png(path)
-    blue = [(i // 3, y) for y, row in enumerate(rows) for i in range(0, len(row), 3) if tuple(row[i:i + 3]) == BLUE]
-    left_x, right_x = min(x for x, _ in blue), max(x for x, _ in blue)
-    left_y = min(y for x, y in blue if x == left_x)
-    right_y = min(y for x, y in blue if x == right_x)
-    assert right_x - left_x > 250, "the line should span the plot's width"
-    assert right_y - left_y > 80, "high loss at the left (top of the image), low at the right"
+def test_the_figure_holds_every_series_with_labelled_axes():
+    rows = _rows()
+    rows[50]["loss"] = math.nan  # a gap, not a crash
+    validation = [(40, 3.1), (80, 2.6), (120, 2.4)]
+    figure = training_figure(rows, validation=validation, baseline=3.3, title="bert, 2 x cpu")
+    loss_ax, tokens_ax, lr_ax = figure.axes
+    assert figure.get_suptitle() == "bert, 2 x cpu"
+    assert [ax.get_ylabel() for ax in figure.axes] == ["loss (nats)", "tokens/s", "learning rate"]
+    assert lr_ax.get_xlabel() == "step"
+    legend = [t.get_text() for t in loss_ax.get_legend().get_texts()]
+    assert legend[:3] == ["training loss (per step)", "training loss (12-step mean)", "validation loss"]
+    assert legend[3] == "unigram baseline (3.30)"
+    per_step, smoothed, val_line, baseline = loss_ax.get_lines()
+    assert list(per_step.get_xdata()) == list(range(1, 121))
+    assert math.isnan(per_step.get_ydata()[50]) and not math.isnan(smoothed.get_ydata()[50])
+    assert list(val_line.get_xdata()) == [40, 80, 120] and list(val_line.get_ydata()) == [3.1, 2.6, 2.4]
+    assert list(baseline.get_ydata()) == [3.3, 3.3]
+    low, high = loss_ax.get_ylim()
+    assert low < 2.0 and 3.3 < high < 5.6, f"the y range {low:.2f}-{high:.2f} should show the tail, not step 1"
+    assert list(tokens_ax.get_lines()[0].get_ydata()) == [r["tokens_per_s"] for r in rows]
+    assert list(lr_ax.get_lines()[0].get_ydata()) == [r["lr"] for r in rows]
 
 
-def test_read_png_rejects_corruption(tmp_path):
-    canvas = Canvas(10, 4)
-    canvas.line(0, 0, 9, 3, (255, 0, 0))
-    path = tmp_path / "small.png"
-    write_png(path, canvas)
-    width, height, rows = read_png(path)
-    assert (width, height) == (10, 4)
-    assert rows[0][:3] == b"\xff\x00\x00" and rows[3][27:30] == b"\xff\x00\x00"
-    data = bytearray(path.read_bytes())
-    data[40] ^= 0xFF  # inside IDAT
-    path.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="CRC"):
-        read_png(path)
-    path.write_bytes(b"GIF89a" + bytes(20))
-    with pytest.raises(ValueError, match="signature"):
-        read_png(path)
-    assert zlib.crc32(b"IEND") == 0xAE426082  # the constant every PNG ends with
+def test_plot_training_writes_a_png(tmp_path):
+    path = plot_training(tmp_path / "loss.png", _rows(), validation=[(60, 2.7)], baseline=3.0)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = imread(path)
+    assert pixels.shape[:2] == (900, 900)
+    assert pixels[..., :3].std() > 0.05, "the image is blank"
 
 
-def test_nice_ticks_cover_the_range_with_round_steps():
-    for low, high in [(0.0, 1.0), (2.13, 5.61), (1.0, 300.0), (9000.0, 9450.0), (0.001, 0.004), (-3.0, 7.0)]:
-        ticks = nice_ticks(low, high, 5)
-        assert ticks[0] <= low and ticks[-1] >= high
-        assert 3 <= len(ticks) <= 12
-        step = ticks[1] - ticks[0]
-        mantissa = step / 10 ** math.floor(math.log10(step))
-        assert any(math.isclose(mantissa, m, rel_tol=1e-6) for m in (1, 2, 5, 10)), (low, high, ticks)
-    assert len(nice_ticks(4.0, 4.0)) >= 2  # a flat series still gets an axis
-    with pytest.raises(ValueError, match="finite"):
-        nice_ticks(0.0, math.inf)
+def test_without_validation_or_baseline_and_with_one_step(tmp_path):
+    figure = training_figure(_rows(1))
+    assert len(figure.axes[0].get_lines()) == 2 and figure.axes[0].get_legend() is not None
+    plot_training(tmp_path / "one.png", _rows(1))
+    with pytest.raises(ValueError, match="at least one step"):
+        plot_training(tmp_path / "none.png", [])
 
 
-def test_format_tick():
-    values = (0.0, 2.5, 300.0, 12500.0, 1_500_000.0, 0.05)
-    assert [format_tick(v) for v in values] == ["0", "2.5", "300", "12.5k", "1.5M", "0.05"]
-
-
-def test_bad_arguments_raise_value_error(tmp_path):
-    with pytest.raises(ValueError, match="equally long"):
-        plot_training(tmp_path / "x.png", [1, 2], [1.0], [1.0, 2.0])
-    with pytest.raises(ValueError, match="equally long"):
-        plot_training(tmp_path / "x.png", [], [], [])
-    with pytest.raises(ValueError, match="width and height"):
-        plot_training(tmp_path / "x.png", [1], [1.0], [1.0], width=50)
+def test_moving_average():
+    assert moving_average([1.0, 3.0, math.nan, 5.0], 2) == [1.0, 2.0, 2.0, 4.0]
+    assert math.isnan(moving_average([math.nan, 1.0], 3)[0])
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        moving_average([1.0], 0)

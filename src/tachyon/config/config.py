@@ -28,9 +28,11 @@ from .sections import (
     BF16Config,
     CheckpointConfig,
     DataTypesConfig,
+    FlopsProfilerConfig,
     FP16Config,
     MonitorConfig,
     OptimizerConfig,
+    ProgressiveLayerDropConfig,
     SchedulerConfig,
     ZeroConfig,
 )
@@ -76,6 +78,8 @@ class TachyonConfig(Section):
     )
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    progressive_layer_drop: ProgressiveLayerDropConfig = Field(default_factory=ProgressiveLayerDropConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
 
     _ignored: dict[str, Any] = PrivateAttr(default_factory=dict)
 

@@ -28,8 +28,6 @@ from .errors import join_path, not_supported, render, unknown_key
 UNSUPPORTED_KEYS: dict[str, str] = {
     # top-level features
     "pipeline": "pipeline parallelism through the config",
-    "progressive_layer_drop": "progressive layer drop",
-    "flops_profiler": "the flops profiler",
     "sparse_attention": "sparse attention",
     "amp": "Apex AMP; use fp16 or bf16",
     "torch_autocast": "torch.autocast mixed precision; use fp16 or bf16",
@@ -127,7 +125,7 @@ _FALSE = (_is(False, None), "false")
 
 OFF_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{key: _DISABLED for key in (
-        "progressive_layer_drop", "flops_profiler", "amp", "torch_autocast", "comms_logger",
+        "amp", "torch_autocast", "comms_logger",
         "curriculum_learning", "data_efficiency", "elasticity", "autotuning", "eigenvalue",
         "wandb", "comet", "nebula", "hybrid_engine", "weight_quantization",
     )},

@@ -15,6 +15,7 @@ from .types import (
     BucketSize,
     DType,
     NonNegativeFloat,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     Section,
@@ -134,6 +135,44 @@ class MonitorConfig(Section):
     enabled: bool = False
     output_path: str = ""
     job_name: str = "DeepSpeedJobName"
+
+
+class ProgressiveLayerDropConfig(Section):
+    """``"progressive_layer_drop"``: drop whole transformer layers at random during training, more
+    often as training goes on and deeper in the stack (Zhang & He, 2020; see
+    docs/progressive_layer_drop.md and `tachyon.engine.pld`).
+
+    The global keep ratio follows ``theta(t) = (1 - theta) * exp(-gamma * t) + theta`` over
+    optimizer steps t: 1 at the start, decaying to ``theta`` (the lowest keep ratio, in (0, 1])
+    at rate ``gamma`` (>= 0; 0 keeps every layer). Defaults are those of DeepSpeed's
+    ``ProgressiveLayerDrop`` and its tutorial (theta 0.5, gamma 0.001).
+    """
+
+    enabled: bool = False
+    theta: Annotated[float, Field(gt=0, le=1)] = 0.5
+    gamma: NonNegativeFloat = 0.001
+
+
+class FlopsProfilerConfig(Section):
+    """``"flops_profiler"``: profile one training step (`tachyon.profiling.FlopsProfiler`).
+
+    At optimizer step ``profile_step`` (0-based: the step that starts when ``global_steps ==
+    profile_step``; DeepSpeed's default 1 skips the first, warm-up step) global rank 0 counts
+    the forward and backward FLOPs of every micro-batch of the step, times each module's
+    forward, and after the step writes the profile to ``output_file`` (None: standard
+    output). Training goes on unchanged. ``module_depth`` (-1: all), ``top_modules`` and
+    ``detailed`` shape the printed report as in ``FlopsProfiler.print_model_profile``.
+    ``recompute_fwd_factor`` is DeepSpeed's estimate of activation recomputation (a fraction of
+    the forward) used only where the backward was not measured; the engine measures it.
+    """
+
+    enabled: bool = False
+    recompute_fwd_factor: NonNegativeFloat = 0.0
+    profile_step: NonNegativeInt = 1
+    module_depth: Annotated[int, Field(ge=-1)] = -1
+    top_modules: PositiveInt = 1
+    detailed: bool = True
+    output_file: str | None = None
 
 
 class OptimizerConfig(Section):

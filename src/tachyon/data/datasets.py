@@ -19,13 +19,17 @@ and every run; :meth:`MaskedLMDataset.set_epoch` gives RoBERTa-style fresh masks
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 from torch.utils.data import Dataset
 
 from tachyon.data.corpus import DEFAULT_VALIDATION_FRACTION, load_works
-from tachyon.data.tokenizer import NUM_BYTE_TOKENS, PAD_ID, SPECIAL_TOKENS, ByteTokenizer, get_tokenizer, is_special_id
+from tachyon.data.tokenizer import NUM_SPECIAL_TOKENS, PAD_ID, Tokenizer, load_tokenizer
+
+VALIDATION_MASK_PROB = 0.15
+"""Share of the validation tokens scored by masked-LM evaluation (BERT's rate, whatever training uses)."""
 
 IGNORE_INDEX = -100
 """Label value for positions that are not predicted (``ignore_index`` of cross_entropy)."""
@@ -87,13 +91,13 @@ class CausalLMDataset(Dataset):
         seq_len: tokens per sample, >= 1.
         stride: step between windows, default ``seq_len`` (non-overlapping).
         tokenizer: the tokenizer that made ``tokens``, kept as ``self.tokenizer`` for the model's
-            ``vocab_size`` and for decoding; default :class:`~tachyon.data.tokenizer.ByteTokenizer`.
+            ``vocab_size`` and for decoding; default ``load_tokenizer("bpe")``.
     """
 
     def __init__(self, tokens: torch.Tensor | Sequence[int], seq_len: int, stride: int | None = None, *,
-                 tokenizer: ByteTokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None) -> None:
         self.tokens = _as_token_tensor(tokens)
-        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer("bpe")
         self.seq_len = _check_int("seq_len", seq_len, 1)
         self.stride = seq_len if stride is None else _check_int("stride", stride, 1)
         if self.tokens.numel() < seq_len + 1:
@@ -118,7 +122,7 @@ class MaskedLMDataset(Dataset):
     """BERT masked-LM samples: ``[CLS] + seq_len-2 tokens + [SEP]`` with 80/10/10 masking.
 
     Sample ``i`` reads ``tokens[i*(seq_len-2) : (i+1)*(seq_len-2)]`` (a trailing partial window is
-    dropped). Only regular tokens (any id but the special ids 256-261) can be selected;
+    dropped). Only regular tokens (any id but the special ids 0-5) can be selected;
     special tokens already in the stream (e.g. [EOS] between documents), [CLS] and [SEP] are never
     predicted. If the Bernoulli draw selects nothing in a window that has regular tokens, one of
     them is selected so every sample contributes to the loss (only matters for tiny seq_len).
@@ -129,8 +133,7 @@ class MaskedLMDataset(Dataset):
         mask_prob: probability that a regular token is selected for prediction, in (0, 1].
         seed: base seed (int >= 0); masks are a function of (seed, epoch, index) only.
         tokenizer: supplies ``mask_id``, ``cls_id``, ``sep_id`` and ``num_regular_tokens`` (random
-            replacements are uniform over the regular ids); default
-            :class:`~tachyon.data.tokenizer.ByteTokenizer`, or a :class:`~tachyon.data.bpe.BPETokenizer`.
+            replacements are uniform over the regular ids); default ``load_tokenizer("bpe")``.
         mask_token_prob, random_token_prob: shares of the selected tokens replaced by [MASK] and
             by a random regular token (BERT: 0.8 and 0.1; the rest stay unchanged).
     """
@@ -142,7 +145,7 @@ class MaskedLMDataset(Dataset):
         mask_prob: float = 0.15,
         seed: int = 0,
         *,
-        tokenizer: ByteTokenizer | None = None,
+        tokenizer: Tokenizer | None = None,
         mask_token_prob: float = 0.8,
         random_token_prob: float = 0.1,
     ) -> None:
@@ -155,7 +158,7 @@ class MaskedLMDataset(Dataset):
         if mask_token_prob + random_token_prob > 1.0:
             raise ValueError("mask_token_prob + random_token_prob must be <= 1, "
                              f"got {mask_token_prob} + {random_token_prob}")
-        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer("bpe")
         self.content_len = seq_len - 2
         if self.tokens.numel() < self.content_len:
             raise ValueError(f"tokens must hold at least seq_len - 2 = {self.content_len} tokens, "
@@ -178,11 +181,10 @@ class MaskedLMDataset(Dataset):
         # Fixed number of draws per sample, whatever the outcome, so the stream stays aligned.
         select_draw = torch.rand(n, generator=generator)
         action_draw = torch.rand(n, generator=generator)
-        random_tokens = torch.randint(0, self.tokenizer.num_regular_tokens, (n,), generator=generator)
-        random_tokens += len(SPECIAL_TOKENS) * (random_tokens >= NUM_BYTE_TOKENS)  # skip ids 256-261
+        random_tokens = torch.randint(NUM_SPECIAL_TOKENS, self.tokenizer.vocab_size, (n,), generator=generator)
         fallback = int(torch.randint(0, n, (1,), generator=generator))
 
-        candidates = ~is_special_id(original)
+        candidates = original >= NUM_SPECIAL_TOKENS  # ids 0-5 are the special tokens
         selected = (select_draw < self.mask_prob) & candidates
         if not bool(selected.any()) and bool(candidates.any()):
             candidate_positions = candidates.nonzero().flatten()
@@ -230,6 +232,13 @@ def collate(samples: Sequence[dict[str, torch.Tensor]], pad_id: int = PAD_ID) ->
     return batch
 
 
+@functools.lru_cache(maxsize=8)
+def _encoded_split(tokenizer: Tokenizer, split: str, validation_fraction: float) -> torch.Tensor:
+    """One split of the corpus as a token stream ([EOS] after every work), encoded once per process
+    and tokenizer (a few seconds for the whole corpus; the datasets only read it)."""
+    return tokenizer.encode_documents(load_works(split, validation_fraction))
+
+
 def build_lm_datasets(
     objective: str,
     seq_len: int,
@@ -237,25 +246,30 @@ def build_lm_datasets(
     seed: int = 0,
     mask_prob: float = 0.15,
     validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
-    tokenizer: str | ByteTokenizer = "byte",
+    tokenizer: str | Tokenizer = "bpe",
 ) -> tuple[Dataset, Dataset]:
     """(train, validation) datasets over the embedded corpus for ``objective`` "causal" or "masked".
 
     Each split's works are tokenized as one stream with [EOS] after every work (see
-    :func:`tachyon.data.corpus.load_works` for the split). ``tokenizer`` is "byte", "bpe" or a
-    tokenizer object; the model's vocabulary must hold ``tokenizer.vocab_size`` ids (the datasets
-    carry it as ``dataset.tokenizer``). With "byte", "train" holds about 2.9 M tokens and
-    "validation" about 150 k; "bpe" needs ~2.3x fewer tokens (and ~3 s to encode the corpus).
-    Masked-LM validation uses ``seed`` too, so evaluation sees the same masks every time.
+    :func:`tachyon.data.corpus.load_works` for the split). ``tokenizer`` is a name for
+    :func:`~tachyon.data.tokenizer.load_tokenizer` ("bpe", "byte", a tokenizer.json path) or a
+    :class:`~tachyon.data.tokenizer.Tokenizer`; the model's vocabulary must hold
+    ``tokenizer.vocab_size`` ids (the datasets carry it as ``dataset.tokenizer``). With "bpe",
+    "train" holds about 1.06 M tokens and "validation" about 55 k ("byte": 2.9 M and 150 k).
+
+    Masked-LM validation replaces *every* selected token by [MASK] (no 10 % random, no 10 %
+    unchanged) and always uses ``mask_prob`` 0.15 with ``seed``'s masks: the scored input is never
+    the answer, so a loss below the unigram entropy can only come from the context, and every
+    evaluation scores the same positions.
     """
     if objective not in ("causal", "masked"):
         raise ValueError(f"objective must be one of ('causal', 'masked'), got {objective!r}")
-    tokenizer = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-    splits = []
-    for split in ("train", "validation"):
-        tokens = tokenizer.encode_documents(load_works(split, validation_fraction), separator="eos")
-        if objective == "causal":
-            splits.append(CausalLMDataset(tokens, seq_len, tokenizer=tokenizer))
-        else:
-            splits.append(MaskedLMDataset(tokens, seq_len, mask_prob=mask_prob, seed=seed, tokenizer=tokenizer))
-    return splits[0], splits[1]
+    tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    train_tokens, validation_tokens = (_encoded_split(tokenizer, split, validation_fraction)
+                                       for split in ("train", "validation"))
+    if objective == "causal":
+        return (CausalLMDataset(train_tokens, seq_len, tokenizer=tokenizer),
+                CausalLMDataset(validation_tokens, seq_len, tokenizer=tokenizer))
+    return (MaskedLMDataset(train_tokens, seq_len, mask_prob=mask_prob, seed=seed, tokenizer=tokenizer),
+            MaskedLMDataset(validation_tokens, seq_len, mask_prob=VALIDATION_MASK_PROB, seed=seed,
+                            tokenizer=tokenizer, mask_token_prob=1.0, random_token_prob=0.0))

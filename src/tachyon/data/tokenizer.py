@@ -1,38 +1,55 @@
-"""A byte-level tokenizer: every UTF-8 byte is a token, plus a few special tokens.
+"""Tokenizers for ``tachyon train``: Hugging Face ``tokenizers`` objects behind a small adapter.
 
-Ids 0-255 are the bytes themselves (id == byte value), so any string encodes with no unknown
-token and ``decode(encode(text)) == text`` exactly, for any Unicode text. The special tokens
-follow at 256-261:
+Two tokenizers come with the package, both byte-level (any Unicode text encodes, nothing is
+unknown, and ``decode(encode(text)) == text`` exactly):
+
+- "bpe" (the default): byte-level BPE with 2048 ids, trained once on the corpus' train split by
+  :func:`train_bpe` and shipped as ``assets/tokenizer.json`` (the standard ``tokenizers`` file,
+  so ``tokenizers.Tokenizer.from_file`` and ``transformers.PreTrainedTokenizerFast`` load it as
+  it is). Most frequent words are one token; text needs ~2.7 characters per token.
+- "byte": one token per UTF-8 byte (262 ids), built in code as a BPE model with no merges.
+
+Any other ``tokenizer.json`` that keeps the layout below can be named by its path.
+
+Layout (what the datasets rely on): ids 0-5 are the special tokens, regular tokens follow.
 
 =====  =========  ==============================================================
 id     token      used by
 =====  =========  ==============================================================
-256    [PAD]      collate padding (attention_mask 0, label -100)
-257    [MASK]     masked-LM inputs (BERT's 80 % case)
-258    [CLS]      first token of a masked-LM sample
-259    [SEP]      last token of a masked-LM sample
-260    [BOS]      optional start of a causal-LM document
-261    [EOS]      optional end of a causal-LM document
+0      [PAD]      collate padding (attention_mask 0, label -100)
+1      [MASK]     masked-LM inputs (BERT's 80 % case)
+2      [CLS]      first token of a masked-LM sample
+3      [SEP]      last token of a masked-LM sample
+4      [BOS]      optional start of a causal-LM document
+5      [EOS]      end of a document in the training stream
 =====  =========  ==============================================================
 
-``vocab_size`` is 262. Models that want an embedding table padded to a multiple of 64 (tensor
-cores, tensor-parallel vocab shards) pad it themselves; :func:`padded_vocab_size` helps.
-:class:`tachyon.data.bpe.BPETokenizer` (1024 ids, ~2.3x shorter sequences on the corpus) keeps
-these ids and adds merged tokens from 262 up; :func:`get_tokenizer` picks one by name.
-Special tokens are only ever produced by the ``add_*`` flags and the datasets: the text "[PAD]"
-encodes as its five bytes, so no input text can inject a special token.
+Special tokens are only produced by the ``add_*`` flags and the datasets: ``encode`` treats the
+text "[MASK]" as plain text (``tokenizers``' ``encode_special_tokens``), so no input text can
+inject one. Models pad the embedding table to a multiple of 64 themselves
+(:func:`padded_vocab_size`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-NUM_BYTE_TOKENS = 256
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HFTokenizer
+
 SPECIAL_TOKENS = ("[PAD]", "[MASK]", "[CLS]", "[SEP]", "[BOS]", "[EOS]")
-PAD_ID, MASK_ID, CLS_ID, SEP_ID, BOS_ID, EOS_ID = range(NUM_BYTE_TOKENS, NUM_BYTE_TOKENS + len(SPECIAL_TOKENS))
-VOCAB_SIZE = NUM_BYTE_TOKENS + len(SPECIAL_TOKENS)  # of the byte tokenizer; BPE: tokenizer.vocab_size
+NUM_SPECIAL_TOKENS = len(SPECIAL_TOKENS)
+PAD_ID, MASK_ID, CLS_ID, SEP_ID, BOS_ID, EOS_ID = range(NUM_SPECIAL_TOKENS)
+TOKENIZER_NAMES = ("bpe", "byte")
+BPE_RESOURCE = ("assets", "tokenizer.json")
+BPE_VOCAB_SIZE = 2048
+"""Ids of the shipped BPE tokenizer (examples/README.md says why 2048)."""
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
@@ -42,141 +59,207 @@ def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-TOKENIZER_NAMES = ("byte", "bpe")
+def _tokenizers() -> Any:
+    """The ``tokenizers`` package (imported on first use: ``import tachyon.data`` works without it)."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise ImportError("the tokenizers package is not installed; the tachyon tokenizers need it: "
+                          "pip install 'tachyon[train]'") from None
+    return tokenizers
 
 
-def get_tokenizer(name: str = "byte") -> ByteTokenizer:
-    """A tokenizer by name: "byte" is :class:`ByteTokenizer` (262 ids), "bpe" the shipped
-    :meth:`tachyon.data.bpe.BPETokenizer.pretrained` (1024 ids). Both use special ids 256-261."""
-    if name == "byte":
-        return ByteTokenizer()
-    if name == "bpe":
-        from tachyon.data.bpe import BPETokenizer  # bpe imports this module
-
-        return BPETokenizer.pretrained()
-    raise ValueError(f"tokenizer must be one of {TOKENIZER_NAMES}, got {name!r}")
+def _byte_level(backend: HFTokenizer) -> HFTokenizer:
+    """GPT-2's byte-level pre-tokenizer (no added prefix space, so round trips are exact) and decoder."""
+    tk = _tokenizers()
+    backend.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tk.decoders.ByteLevel()
+    return backend
 
 
-def is_special_id(ids: torch.Tensor) -> torch.Tensor:
-    """Boolean mask of the special-token ids (256-261) in an integer tensor, any tokenizer here."""
-    return (ids >= NUM_BYTE_TOKENS) & (ids < NUM_BYTE_TOKENS + len(SPECIAL_TOKENS))
+def train_bpe(texts: Iterable[str], vocab_size: int = BPE_VOCAB_SIZE) -> HFTokenizer:
+    """A byte-level BPE ``tokenizers.Tokenizer`` with ``vocab_size`` ids learned from ``texts``.
+
+    The shipped ``assets/tokenizer.json`` is ``train_bpe(load_works("train")).save(path)``
+    (``tests/data/test_tokenizer.py`` checks, in a slow test, that it still comes out the same):
+    the special tokens first (ids 0-5), then the 256 byte symbols, then the merges."""
+    tk = _tokenizers()
+    backend = _byte_level(tk.Tokenizer(tk.models.BPE()))
+    trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(texts, trainer)
+    return backend
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as tokens (ids 0-255) plus [PAD] [MASK] [CLS] [SEP] [BOS] [EOS] (256-261).
+def byte_tokenizer_backend() -> HFTokenizer:
+    """The "byte" tokenizer as a ``tokenizers.Tokenizer``: a BPE model whose vocabulary is the 6
+    special tokens and the 256 byte symbols, with no merges (one token per byte)."""
+    tk = _tokenizers()
+    symbols = sorted(tk.pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: _BYTE_OF_SYMBOL[ch])
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    vocab.update({symbol: NUM_SPECIAL_TOKENS + i for i, symbol in enumerate(symbols)})
+    backend = _byte_level(tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=[])))
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    return backend
 
-    Stateless and cheap: every instance is the same tokenizer, so data-parallel ranks agree
-    without sharing files. ``encode`` returns ``list[int]``; ``encode_tensor`` returns a 1-D
-    ``torch.int64`` tensor and is fast enough for the whole corpus (~3 M tokens in milliseconds).
-    :class:`tachyon.data.bpe.BPETokenizer` extends it with merged tokens at ids 262 and up; the
-    special ids are the same in both.
+
+def _bytes_to_symbols() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte value (what ByteLevel maps bytes to)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    symbols, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            symbols[chr(byte)] = byte
+        else:
+            symbols[chr(256 + extra)] = byte
+            extra += 1
+    return symbols
+
+
+_BYTE_OF_SYMBOL = _bytes_to_symbols()
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` (``self.backend``) with what the datasets and the train job use:
+    the special ids by name, ``encode`` to ``list[int]`` or ``torch.int64`` tensors, whole
+    documents as one stream, and ``decode``.
+
+    Raises ValueError when ``backend`` does not hold the special tokens at ids 0-5.
     """
 
     special_tokens = SPECIAL_TOKENS
     pad_id, mask_id, cls_id, sep_id, bos_id, eos_id = PAD_ID, MASK_ID, CLS_ID, SEP_ID, BOS_ID, EOS_ID
 
-    def __init__(self) -> None:
-        # bytes of every regular id; special ids hold None
-        self._id_bytes: list[bytes | None] = [bytes([i]) for i in range(NUM_BYTE_TOKENS)] + [None] * len(SPECIAL_TOKENS)
+    def __init__(self, backend: HFTokenizer, name: str = "custom") -> None:
+        found = [backend.token_to_id(token) for token in SPECIAL_TOKENS]
+        if found != list(range(NUM_SPECIAL_TOKENS)):
+            raise ValueError(f"tokenizer {name!r}: the special tokens {list(SPECIAL_TOKENS)} must have ids 0-5; "
+                             f"they have {found} (None: missing)")
+        backend.encode_special_tokens = True  # "[MASK]" in a text is text, not the mask token
+        self.backend, self.name = backend, name
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids (262 here): ids are in ``[0, vocab_size)``."""
-        return len(self._id_bytes)
+        """Number of token ids: ids are in ``[0, vocab_size)``."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
 
     @property
     def num_regular_tokens(self) -> int:
-        """How many ids are not special tokens (``vocab_size - 6``; 256 here)."""
-        return len(self._id_bytes) - len(SPECIAL_TOKENS)
+        """How many ids are not special tokens (``vocab_size - 6``)."""
+        return self.vocab_size - NUM_SPECIAL_TOKENS
 
     def __len__(self) -> int:
         return self.vocab_size
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(vocab_size={self.vocab_size}, special_tokens={list(SPECIAL_TOKENS)})"
+        return f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size})"
 
     def token_to_id(self, token: str) -> int:
-        """Id of a special token (e.g. "[MASK]") or of a one-character ASCII token (e.g. "a")."""
-        if token in SPECIAL_TOKENS:
-            return NUM_BYTE_TOKENS + SPECIAL_TOKENS.index(token)
-        encoded = token.encode("utf-8") if isinstance(token, str) else b""
-        if len(encoded) != 1:
-            raise ValueError(f"token must be one of {SPECIAL_TOKENS} or a single ASCII character, got {token!r}")
-        return encoded[0]
+        """Id of a token as the vocabulary writes it ("[MASK]", "Ġlord" for " lord")."""
+        token_id = self.backend.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"{token!r} is not a token of {self!r} (byte-level tokens write a leading space as 'Ġ')")
+        return token_id
 
     def id_to_token(self, token_id: int) -> str:
-        """Readable name of one id: a special token's name; else its text, with bytes that are not
-        printable ASCII written ``<0xNN>``."""
+        """The vocabulary's name of one id (a special token's name, or e.g. "Ġlord")."""
         self._check_ids([token_id])
-        data = self._id_bytes[token_id]
-        if data is None:
-            return SPECIAL_TOKENS[token_id - NUM_BYTE_TOKENS]
-        return "".join(chr(b) if 32 <= b < 127 else f"<0x{b:02X}>" for b in data)
+        return self.backend.id_to_token(token_id)
 
     def is_special(self, token_id: int) -> bool:
-        return NUM_BYTE_TOKENS <= token_id < NUM_BYTE_TOKENS + len(SPECIAL_TOKENS)
+        return 0 <= token_id < NUM_SPECIAL_TOKENS
 
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """``text`` as token ids: its UTF-8 bytes, optionally between [BOS] and [EOS]."""
+        """``text`` as token ids, optionally between [BOS] and [EOS]."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
-        ids = list(text.encode("utf-8"))
+        ids = self.backend.encode(text, add_special_tokens=False).ids
         return ([BOS_ID] if add_bos else []) + ids + ([EOS_ID] if add_eos else [])
 
     def encode_tensor(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> torch.Tensor:
-        """Like :meth:`encode`, as a 1-D ``torch.int64`` tensor (no Python list on the way)."""
-        if not isinstance(text, str):
-            raise ValueError(f"text must be a str, got {type(text).__name__}")
-        data = text.encode("utf-8")
-        if data:
-            ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
-        else:
-            ids = torch.empty(0, dtype=torch.int64)
-        parts = ([torch.tensor([BOS_ID])] if add_bos else []) + [ids] + ([torch.tensor([EOS_ID])] if add_eos else [])
-        return torch.cat(parts) if len(parts) > 1 else ids
+        """Like :meth:`encode`, as a 1-D ``torch.int64`` tensor."""
+        return torch.tensor(self.encode(text, add_bos=add_bos, add_eos=add_eos), dtype=torch.int64)
 
     def encode_documents(self, documents: Iterable[str], *, separator: str = "eos") -> torch.Tensor:
-        """Many documents as one 1-D ``torch.int64`` stream for language-model training.
+        """Many documents as one 1-D ``torch.int64`` stream (encoded in parallel by ``tokenizers``).
 
         ``separator`` is "eos" (each document followed by [EOS]), "bos" (each preceded by [BOS])
-        or "none" (documents simply concatenated).
-        """
+        or "none" (documents simply concatenated)."""
         if separator not in ("eos", "bos", "none"):
             raise ValueError(f"separator must be one of ('eos', 'bos', 'none'), got {separator!r}")
-        parts = [self.encode_tensor(doc, add_bos=separator == "bos", add_eos=separator == "eos") for doc in documents]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        documents = list(documents)
+        for position, doc in enumerate(documents):
+            if not isinstance(doc, str):
+                raise ValueError(f"documents must be strs; documents[{position}] is a {type(doc).__name__}")
+        ids: list[int] = []
+        for encoding in self.backend.encode_batch(documents, add_special_tokens=False):
+            ids += ([BOS_ID] if separator == "bos" else []) + encoding.ids + ([EOS_ID] if separator == "eos" else [])
+        return torch.tensor(ids, dtype=torch.int64)
 
     def decode(self, ids: Sequence[int] | torch.Tensor, *, skip_special_tokens: bool = False) -> str:
-        """Token ids back to text; the exact inverse of :meth:`encode`.
-
-        Special tokens become their names ("[MASK]") or, with ``skip_special_tokens``, nothing.
-        Byte runs that are not valid UTF-8 (possible for ids a model sampled, never for ids from
-        ``encode``) decode with U+FFFD replacement characters instead of raising.
-        """
+        """Token ids back to text; the exact inverse of :meth:`encode`. Special tokens become their
+        names ("[MASK]") or, with ``skip_special_tokens``, nothing. Byte runs that are not valid
+        UTF-8 (possible for sampled ids, never for ids from ``encode``) decode to U+FFFD."""
         if isinstance(ids, torch.Tensor):
             if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
                 raise ValueError(f"ids must be a 1-D integer tensor, got {ids.dim()}-D {ids.dtype}")
             ids = ids.tolist()
         ids = list(ids)
         self._check_ids(ids)
-        pieces: list[str] = []
-        run = bytearray()
+        if skip_special_tokens:
+            return self.backend.decode(ids, skip_special_tokens=True)
+        # the byte-level decoder would glue special tokens' names to the text around them: decode runs apart
+        pieces, run = [], []
         for token_id in ids:
-            data = self._id_bytes[token_id]
-            if data is not None:
-                run += data
+            if token_id >= NUM_SPECIAL_TOKENS:
+                run.append(token_id)
                 continue
             if run:
-                pieces.append(run.decode("utf-8", errors="replace"))
-                run.clear()
-            if not skip_special_tokens:
-                pieces.append(SPECIAL_TOKENS[token_id - NUM_BYTE_TOKENS])
+                pieces.append(self.backend.decode(run))
+                run = []
+            pieces.append(SPECIAL_TOKENS[token_id])
         if run:
-            pieces.append(run.decode("utf-8", errors="replace"))
+            pieces.append(self.backend.decode(run))
         return "".join(pieces)
+
+    def to_transformers(self) -> Any:
+        """This tokenizer as a ``transformers.PreTrainedTokenizerFast`` (needs the ``hf`` extra),
+        with its pad/mask/cls/sep/bos/eos tokens named."""
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_object=self.backend, pad_token="[PAD]", mask_token="[MASK]",
+                                       cls_token="[CLS]", sep_token="[SEP]", bos_token="[BOS]", eos_token="[EOS]")
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         vocab_size = self.vocab_size
         for position, token_id in enumerate(ids):
             if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
                 raise ValueError(f"ids must be ints in [0, {vocab_size}); ids[{position}] is {token_id!r}")
+
+
+def bpe_path() -> Path:
+    """Where the shipped BPE ``tokenizer.json`` is (inside the installed package)."""
+    return Path(str(resources.files("tachyon.data").joinpath(*BPE_RESOURCE)))
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(name: str = "bpe") -> Tokenizer:
+    """A tokenizer by name: "bpe" (the shipped tokenizer.json, 2048 ids), "byte" (262 ids), or
+    the path of a ``tokenizer.json`` with the special tokens at ids 0-5. Cached: the same
+    object for the same name."""
+    if not isinstance(name, str):
+        raise ValueError(f"tokenizer must be one of {TOKENIZER_NAMES} or a tokenizer.json path, got {name!r}")
+    tk = _tokenizers()
+    if name == "bpe":
+        return Tokenizer(tk.Tokenizer.from_file(str(bpe_path())), "bpe")
+    if name == "byte":
+        return Tokenizer(byte_tokenizer_backend(), "byte")
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"tokenizer must be one of {TOKENIZER_NAMES} or the path of a tokenizer.json file; "
+                         f"got {name!r}, which is neither")
+    try:
+        backend = tk.Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"tokenizer {name!r}: not a tokenizers JSON file ({error})") from None
+    return Tokenizer(backend, str(path))

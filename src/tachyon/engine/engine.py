@@ -23,12 +23,21 @@ Monitoring comes from the config alone (``engine.telemetry``, `tachyon.engine.te
 window and the data-parallel ranks, lr, grad norm, loss scale, skipped steps, samples/s, tokens/s
 after ``set_tokens_per_sample``, step time); the ``tensorboard`` / ``csv_monitor`` sections get
 DeepSpeed's ``Train/Samples/*`` events every step; ``wall_clock_breakdown`` times forward,
-backward, reduce and step.
+backward, reduce and step; the ``flops_profiler`` section profiles one step's FLOPs and latency
+(`tachyon.profiling.FlopsProfiler`).
+
+Progressive layer drop (``progressive_layer_drop`` section, `tachyon.engine.pld`): in training
+mode the engine adds ``progressive_layer_drop=True, pld_theta=engine.get_pld_theta()`` to the
+model's forward (a model whose forward cannot take them is refused at initialize), and
+parameters that got no gradient in a step on any rank (dropped layers) are left untouched by the
+optimizer, master weights and moments alike.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -38,6 +47,8 @@ from tachyon.config import ConfigError, TachyonConfig
 
 from .lr_schedules import build_scheduler
 from .optim import build_optimizer
+from .optim.lamb import Lamb
+from .pld import PLD_KWARGS, ProgressiveLayerDrop, UnusedParameterGuard
 from .precision import DTYPES, Precision, build_precision
 from .telemetry import EngineTelemetry
 from .zero import DataParallelComm, ZeroStrategy, build_zero_strategy
@@ -109,6 +120,10 @@ class Engine(torch.nn.Module):
         )
         self.optimizer = _bind_optimizer(optimizer, config, self.zero)
         self.lr_scheduler = _build_scheduler(lr_scheduler, config, self.optimizer)
+        pld = config.progressive_layer_drop
+        self.progressive_layer_drop = ProgressiveLayerDrop(pld.theta, pld.gamma) if pld.enabled else None
+        self._unused_guard = UnusedParameterGuard(self.zero, comm) if pld.enabled else None
+        self.telemetry.attach_model(model, self)
         self.training_dataloader = (
             self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
         )
@@ -117,6 +132,15 @@ class Engine(torch.nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._destroyed:
             raise RuntimeError("this engine was destroyed (engine.destroy()); create a new one with tachyon.initialize")
+        if self.progressive_layer_drop is not None and self.module.training:
+            given = [key for key in PLD_KWARGS if key in kwargs]
+            if given:
+                raise ValueError(
+                    f"engine forward got {', '.join(given)}, which the engine passes itself when "
+                    "progressive_layer_drop is enabled in the config; remove them from the call"
+                )
+            kwargs.update(self.progressive_layer_drop.get_state(self.global_steps))
+        self.telemetry.begin_forward(self.global_steps, self.micro_steps % self.gradient_accumulation_steps() == 0)
         with self.telemetry.forward_phase():
             return self.module(*inputs, **kwargs)
 
@@ -166,18 +190,24 @@ class Engine(torch.nn.Module):
                 coef = (max_norm / (self._grad_norm + CLIP_EPS)).clamp(max=1.0)
                 for grad in grads:
                     grad.mul_(coef)
-            self.optimizer.step()
+            guard = self._unused_guard
+            with guard.keep_unused(self.optimizer) if guard is not None else nullcontext():
+                self.optimizer.step()
             self.zero.after_step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.precision.update(overflow)
         self.zero.zero_grad()
+        if self._unused_guard is not None:
+            self._unused_guard.reset()
         self.global_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated so far (the engine clears them after each step)."""
         del set_to_none
         self.zero.zero_grad()
+        if self._unused_guard is not None:
+            self._unused_guard.reset()
 
     def set_tokens_per_sample(self, tokens: int | None) -> None:
         """Tokens in one sample (e.g. the sequence length): the step line then shows tokens/s.
@@ -238,6 +268,13 @@ class Engine(torch.nn.Module):
             return []
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    def get_pld_theta(self) -> float | None:
+        """The progressive-layer-drop keep ratio the next training forward gets (None when PLD is
+        off); see `tachyon.engine.pld` for the schedule and its step timing (DeepSpeed's)."""
+        if self.progressive_layer_drop is None:
+            return None
+        return self.progressive_layer_drop.get_theta(self.global_steps)
+
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last step, before clipping (None: no step yet, or
         the last one overflowed)."""
@@ -273,6 +310,8 @@ class Engine(torch.nn.Module):
             return
         self._destroyed = True
         self.telemetry.close()
+        if self._unused_guard is not None:
+            self._unused_guard.release()
         group = self.comm.group
         if group is not None:
             from tachyon.parallel.distributed import destroy_group
@@ -311,6 +350,28 @@ def check_engine_inputs(model: Any, config: TachyonConfig, optimizer: Any, lr_sc
         raise ValueError(f"optimizer should be a torch.optim.Optimizer or a callable; got {_describe(optimizer)}")
     if isinstance(optimizer, torch.optim.Optimizer) and any(len(s) for s in optimizer.state.values()):
         raise ValueError("optimizer already has state; pass a freshly built optimizer")
+    if config.progressive_layer_drop.enabled:
+        _check_pld_forward(model)
+
+
+def _check_pld_forward(model: torch.nn.Module) -> None:
+    """With PLD on, the engine calls ``model(..., progressive_layer_drop=True, pld_theta=t)``:
+    refuse a model whose forward cannot take those keywords before anything is built."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # no introspectable signature: let the call decide
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    names = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    missing = [key for key in PLD_KWARGS if key not in names]
+    if missing:
+        raise ConfigError(
+            f"`progressive_layer_drop.enabled: true` makes the engine call the model's forward with "
+            f"progressive_layer_drop=True, pld_theta=<theta>, but {type(model).__name__}.forward takes no "
+            f"{', '.join(missing)}; add them and pass them to its layers (docs/progressive_layer_drop.md), "
+            "or disable progressive_layer_drop"
+        )
 
 
 def _param_groups(optimizer: Any, model_parameters: Any, model: torch.nn.Module) -> list[dict]:
@@ -331,8 +392,17 @@ def _param_groups(optimizer: Any, model_parameters: Any, model: torch.nn.Module)
 
 
 def _bind_optimizer(client: Any, config: TachyonConfig, zero: ZeroStrategy):
-    """Point the optimizer at the flat fp32 masters (one tensor per param group)."""
-    groups = zero.optimizer_param_groups()
+    """Point the optimizer at the flat fp32 masters (one tensor per param group). Only LAMB
+    needs to know which parameters a flat master holds (its per-parameter trust ratios): the
+    ``segments`` table (24 bytes per parameter piece) is added for it alone."""
+    optimizer = _build_bound_optimizer(client, config, zero, zero.optimizer_param_groups(with_segments=False))
+    if optimizer is not None and isinstance(optimizer, Lamb):
+        for group, ours in zip(optimizer.param_groups, zero.optimizer_param_groups(with_segments=True)):
+            group.update({k: v for k, v in ours.items() if k != "params"})
+    return optimizer
+
+
+def _build_bound_optimizer(client: Any, config: TachyonConfig, zero: ZeroStrategy, groups: list[dict]):
     if isinstance(client, torch.optim.Optimizer):
         for group, ours in zip(client.param_groups, groups):
             group.update(ours)

@@ -43,6 +43,17 @@ What the numbers mean:
   (``overlap_comm: false``) count in ``backward``. The monitor events use DeepSpeed's names:
   ``backward_inner`` = backward, ``backward_allreduce`` = reduce, ``backward`` = their sum.
 
+Flops profiler (``flops_profiler`` section, DeepSpeed's keys): on global rank 0, the optimizer
+step that starts when ``global_steps == profile_step`` is profiled with
+`tachyon.profiling.FlopsProfiler` (``count_backward=True``): counting starts at the step's first
+training forward and covers the forward and backward of all its micro-batches (a loss computed
+outside the model shows as "outside the model"), and stops when the boundary ``step`` begins.
+After the step the profile (measured forward and backward FLOPs, fwd / bwd / step / iteration
+latency, FLOP/s and MFU, the module tree) goes to the printer (standard output), or is written
+to ``output_file``. CUDA is
+synchronized around each module's forward and each phase of that step only. Training is not
+otherwise changed.
+
 Events are keyed by the global sample count after the step (``global_steps *
 train_batch_size``), DeepSpeed's x-axis; unlike DeepSpeed (which writes ``train_loss`` before
 the count is advanced) all events of one step share that key.
@@ -136,8 +147,40 @@ class EngineTelemetry:
         self._window_time = 0.0
         self._window_steps = 0
         self._window_ms = dict.fromkeys(PHASES, 0.0)
+        self.flops_config = config.flops_profiler
+        self._model: torch.nn.Module | None = None
+        self._engine: Any = None
+        self.profiler: Any = None
+        """The `FlopsProfiler` of the profiled step while it runs (rank 0, flops_profiler on)."""
+        self.profile_written = False
+        self.flops_profile: dict[str, Any] | None = None
+        """The profiled step's totals once written: fwd_flops, fwd_macs, bwd_flops, bwd_macs,
+        outside_flops (forward ops outside the model), params, and the StepTimings."""
+        self._profile_start = 0.0
+        self._profile_ms = dict.fromkeys(PHASES, 0.0)
 
     # ------------------------------------------------------------------ called by the engine
+    def attach_model(self, model: torch.nn.Module, engine: Any = None) -> None:
+        """The model the flops profiler profiles, and the engine it reports batch sizes from."""
+        self._model, self._engine = model, engine
+
+    def begin_forward(self, global_steps: int, first_micro_step: bool) -> None:
+        """Called at each engine forward: starts the flops profile on the first training forward
+        of step ``flops_profiler.profile_step`` (rank 0)."""
+        cfg = self.flops_config
+        if (not cfg.enabled or self.rank != 0 or self.profiler is not None or self.profile_written
+                or self._model is None or global_steps != cfg.profile_step or not first_micro_step
+                or not torch.is_grad_enabled()):
+            return
+        from tachyon.profiling import FlopsProfiler
+
+        self._sync()
+        self._profile_start = self.clock()
+        self._profile_ms = dict.fromkeys(PHASES, 0.0)
+        self.profiler = FlopsProfiler(self._model, ds_engine=self._engine,
+                                      recompute_fwd_factor=cfg.recompute_fwd_factor, count_backward=True)
+        self.profiler.start_profile()
+
     def set_tokens_per_sample(self, tokens: int | None) -> None:
         """Tokens in one sample (the sequence length), for tokens/s; None turns tokens/s off."""
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
@@ -150,6 +193,20 @@ class EngineTelemetry:
         the start of the step's wall time if it has not started yet."""
         if self._step_start is None:
             self._step_start = self.clock()
+        profiling, start = self.profiler is not None, 0.0
+        if profiling:
+            if name == "step" and self.profiler.started:
+                self.profiler.stop_profile()  # the optimizer step is not model work
+            self._sync()
+            start = self.clock()
+        try:
+            yield from self._timed(name)
+        finally:
+            if profiling:
+                self._sync()
+                self._profile_ms[name] += 1e3 * (self.clock() - start)
+
+    def _timed(self, name: str) -> Iterator[None]:
         if self.timers is None:
             yield
             return
@@ -199,13 +256,52 @@ class EngineTelemetry:
             stats.printed = True
             self._print(stats, lr, grad_norm, loss_scale, skipped_steps)
         self.last_step = stats
+        if self.profiler is not None:
+            self._write_profile(step - 1, now)
         return stats
 
     def close(self) -> None:
-        """Close the monitor's writers (later events are dropped)."""
+        """Close the monitor's writers (later events are dropped); drop an unfinished profile."""
         self.monitor.close()
+        if self.profiler is not None:
+            self.profiler.end_profile()
+            self.profiler = None
 
     # ------------------------------------------------------------------ internals
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _write_profile(self, profile_step: int, now: float) -> None:
+        """End the flops profile of the step that just finished and print / write it."""
+        from tachyon.profiling.flops import StepTimings
+
+        prof, self.profiler = self.profiler, None
+        prof.stop_profile()
+        ms = self._profile_ms
+        world = self.comm.world_size
+        prof.step_timings = StepTimings(
+            backward_s=(ms["backward"] + ms["reduce"]) / 1e3, step_s=ms["step"] / 1e3,
+            iteration_s=now - self._profile_start,
+            samples=self.train_batch_size // world, world_size=world,
+        )
+        cfg = self.flops_config
+        if cfg.output_file is None:  # through the printer (tachyon train writes above its progress bar)
+            from tachyon.profiling.report import format_profile
+
+            self.printer(format_profile(prof, profile_step=profile_step, module_depth=cfg.module_depth,
+                                        top_modules=cfg.top_modules, detailed=cfg.detailed))
+        else:
+            prof.print_model_profile(profile_step=profile_step, module_depth=cfg.module_depth,
+                                     top_modules=cfg.top_modules, detailed=cfg.detailed, output_file=cfg.output_file)
+        self.flops_profile = {
+            "step": profile_step, "fwd_flops": prof.get_total_flops(), "fwd_macs": prof.get_total_macs(),
+            "bwd_flops": prof.get_total_backward_flops(), "bwd_macs": prof.get_total_backward_macs(),
+            "outside_flops": prof.outside_flops, "params": prof.get_total_params(), "timings": prof.step_timings,
+        }
+        prof.end_profile()
+        self.profile_written = True
+
     def _samples_per_s(self, step_time: float) -> float | None:
         return self.train_batch_size / step_time if step_time > 0 else None
 

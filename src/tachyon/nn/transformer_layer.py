@@ -27,6 +27,13 @@ Structure (pre-LN, the default; TE's order of operations):
   data device's default generator, so torch.manual_seed reproduces runs and torch.compile traces
   them (no graph break, no recompile); masks are regenerated in backward.
 - The GEMMs are LayerNormLinear / Linear / LayerNormMLP, so ``tachyon.fp8_autocast`` runs them in FP8.
+- Progressive layer drop (DeepSpeed's ``progressive_layer_drop=True, pld_theta=...`` forward
+  arguments, pre-LN layers only): in training, layer l of L (``layer_number``, ``num_layers``)
+  is kept with probability p = 1 - (l / L) * (1 - pld_theta), drawn from torch's default CPU
+  generator; a dropped layer returns its input (the identity: no compute, no gradient for its
+  parameters), a kept one scales each residual branch by 1 / p (the PLD paper's
+  h = x + a(x) / p, y = h + m(h) / p), so each branch's expected contribution is unchanged.
+  See :func:`pld_keep_probability` and docs/progressive_layer_drop.md.
 
 HF interop: :meth:`TransformerLayer.from_hf` copies an HF ``GPT2Block`` or ``LlamaDecoderLayer``
 (weights and settings) into a bshd TransformerLayer; :class:`HFLayerAdapter` wraps one so that it
@@ -66,6 +73,37 @@ _HF_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast":
                    "silu": "silu", "swish": "silu", "quick_gelu": "qgelu"}
 
 
+def pld_keep_probability(owner: str, progressive_layer_drop: object, pld_theta: object, layer_number: object,
+                         num_layers: object) -> float | None:
+    """Progressive layer drop: the probability that layer ``layer_number`` (1-based) of
+    ``num_layers`` runs, ``1 - (layer_number / num_layers) * (1 - pld_theta)``, or None when
+    ``progressive_layer_drop`` is False. Layer 1 keeps with 1 - (1 - theta) / L, the last layer
+    with theta (the PLD paper's p_l; DeepSpeed's BERT example draws with the 0-based index, so
+    its first layer never drops, but scales by the 1-based probability). Raises ValueError,
+    naming ``owner``, for a bad theta or a missing / impossible layer position."""
+    if progressive_layer_drop is None or progressive_layer_drop is False:
+        return None
+    if progressive_layer_drop is not True:
+        raise ValueError(f"{owner}: progressive_layer_drop must be True or False; got {progressive_layer_drop!r}")
+    if isinstance(pld_theta, bool) or not isinstance(pld_theta, (int, float)) or not 0.0 < pld_theta <= 1.0:
+        raise ValueError(f"{owner}: progressive_layer_drop=True needs pld_theta, a number in (0, 1]; got {pld_theta!r}")
+    ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (layer_number, num_layers))
+    if not ok or not 1 <= layer_number <= num_layers:  # type: ignore[operator]
+        raise ValueError(
+            f"{owner}: progressive layer drop needs the layer's position in its stack: layer_number (1-based) and "
+            f"num_layers with 1 <= layer_number <= num_layers; got layer_number={layer_number!r}, "
+            f"num_layers={num_layers!r}. Set them when building the stack, e.g. "
+            "`for i, layer in enumerate(layers, 1): layer.layer_number, layer.num_layers = i, len(layers)`"
+        )
+    return 1.0 - (layer_number / num_layers) * (1.0 - float(pld_theta))  # type: ignore[operator]
+
+
+def pld_draw_keep(keep: float) -> bool:
+    """One Bernoulli(keep) draw from torch's default CPU generator (torch.manual_seed reproduces
+    it; activation checkpointing's preserve_rng_state replays it in the recompute)."""
+    return keep >= 1.0 or float(torch.rand(())) < keep
+
+
 class TransformerLayer(nn.Module):
     """One transformer layer: attention block + MLP block, TE's arguments and parameter names.
 
@@ -81,6 +119,8 @@ class TransformerLayer(nn.Module):
     cross-attention). fuse_qkv_params: accepted for TE compatibility (QKV is always one fused
     weight). attn_input_format: "sbhd" (x is [seq, batch, hidden]) or "bshd".
     params_dtype, device: of the parameters. backend: pins every kernel's backend.
+    layer_number (TE's, 1-based) and num_layers (keyword-only, the stack's depth): the layer's
+    position, used only by progressive layer drop (both attributes can be set after building).
 
     Submodules (TE's names): ``self_attention`` (MultiheadAttention: ``layernorm_qkv`` or
     ``qkv``, ``core_attention``, ``proj``), ``inter_attention`` (decoder only: ``layernorm_query``,
@@ -88,7 +128,8 @@ class TransformerLayer(nn.Module):
     (LayerNorm / RMSNorm, only with output_layernorm).
 
     forward(hidden_states, attention_mask=None, self_attn_mask_type=None, rotary_pos_emb=None,
-    encoder_output=None, enc_dec_attn_mask=None, is_first_microbatch=None):
+    encoder_output=None, enc_dec_attn_mask=None, is_first_microbatch=None, progressive_layer_drop=False,
+    pld_theta=None):
     hidden_states [s, b, hidden] / [b, s, hidden] -> same shape, in the params dtype (or
     torch.autocast's; the input is cast to it). attention_mask: TE's bool mask, True = masked out,
     [b, 1, 1, s], for the padding mask types only. rotary_pos_emb: TE's angles [s, 1, 1, r], a
@@ -98,8 +139,11 @@ class TransformerLayer(nn.Module):
     is_first_microbatch: passed to every GEMM of the layer (TE's FP8 weight cache across
     gradient-accumulation micro-batches, see :class:`tachyon.nn.Linear`: None no caching, True
     cast and cache, False reuse the cache; no effect outside an enabled fp8_autocast).
+    progressive_layer_drop, pld_theta: DeepSpeed's progressive layer drop (module docstring);
+    ignored in eval mode, where every layer runs. A layer dropped on the first micro-batch
+    (is_first_microbatch=True) caches its FP8 weights on its next kept micro-batch instead.
     Saved for backward: what the submodules' kernels save; the hidden dropouts save nothing
-    (masks regenerated).
+    (masks regenerated). A dropped layer returns its input (cast to the compute dtype).
     """
 
     def __init__(
@@ -128,6 +172,7 @@ class TransformerLayer(nn.Module):
         device: torch.device | str | None = None,
         zero_centered_gamma: bool = False,
         *,
+        num_layers: int | None = None,
         backend: str | None = None,
     ) -> None:
         super().__init__()
@@ -144,6 +189,8 @@ class TransformerLayer(nn.Module):
         self.output_layernorm, self.layer_type, self.layer_number = bool(output_layernorm), layer_type, layer_number
         self.normalization, self.layernorm_epsilon, self.zero_centered_gamma = normalization, layernorm_epsilon, zero_centered_gamma
         self.backend = backend
+        self.num_layers = num_layers
+        self._pld_stale_fp8_cache = False  # dropped on a first micro-batch: the FP8 weight cache is stale
         init_method = init_method or te_default_init
         output_layer_init_method = output_layer_init_method or te_default_init
         attn_post_ln = self.apply_residual_connection_post_layernorm and not self.output_layernorm
@@ -178,7 +225,10 @@ class TransformerLayer(nn.Module):
             if zero_centered_gamma:
                 nn.init.zeros_(self.layernorm.weight)
 
-    def _bda(self, x: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+    def _bda(self, x: Tensor, bias: Tensor | None, residual: Tensor, scale: float = 1.0) -> Tensor:
+        if scale != 1.0:  # progressive layer drop: the residual branch of a kept layer, over p
+            x = x * scale
+            bias = bias * scale if bias is not None else None
         p = self.hidden_dropout if self.training else 0.0
         return bias_dropout_add(x, bias, residual, p, draw_seed(x.device) if p > 0 else None, training=self.training,
                                 backend=self.backend)
@@ -198,19 +248,39 @@ class TransformerLayer(nn.Module):
         self, hidden_states: Tensor, attention_mask: Tensor | None = None, self_attn_mask_type: str | None = None,
         rotary_pos_emb: object = None, encoder_output: Tensor | None = None,
         enc_dec_attn_mask: Tensor | tuple[Tensor, Tensor] | None = None, is_first_microbatch: bool | None = None,
+        progressive_layer_drop: bool = False, pld_theta: float | None = None,
     ) -> Tensor:
         check_hidden_states("TransformerLayer", "hidden_states", hidden_states, self.hidden_size, self.attn_input_format)
         if self.layer_type == "encoder" and (encoder_output is not None or enc_dec_attn_mask is not None):
             raise ValueError("TransformerLayer: encoder_output / enc_dec_attn_mask need layer_type='decoder'")
+        keep = pld_keep_probability("TransformerLayer", progressive_layer_drop, pld_theta, self.layer_number,
+                                    self.num_layers)
+        if keep is not None and (self.output_layernorm or self.apply_residual_connection_post_layernorm):
+            raise ValueError(
+                "TransformerLayer: progressive layer drop needs a pre-LN layer (output_layernorm=False, "
+                "apply_residual_connection_post_layernorm=False): a post-LN layer normalizes its residual, so "
+                "skipping it is not the identity the PLD schedule assumes"
+            )
         weight = self.layernorm_mlp.fc1_weight
         x = hidden_states.to(compute_dtype(weight, hidden_states))
+        scale = 1.0
+        if keep is not None and self.training:
+            if not pld_draw_keep(keep):
+                if is_first_microbatch:
+                    self._pld_stale_fp8_cache = True
+                return x
+            scale = 1.0 / keep
+            if is_first_microbatch is False and self._pld_stale_fp8_cache:
+                is_first_microbatch = True  # the first micro-batch skipped this layer: cache the weights now
+        if is_first_microbatch is not None:
+            self._pld_stale_fp8_cache = False
         attn = self.self_attention(x, attention_mask, attn_mask_type=self_attn_mask_type, rotary_pos_emb=rotary_pos_emb,
                                    is_first_microbatch=is_first_microbatch)
         if self.apply_residual_connection_post_layernorm and not self.output_layernorm:
             attn_out, attn_bias, residual = attn
         else:
             (attn_out, attn_bias), residual = attn, x
-        h = self._bda(attn_out, attn_bias, residual)
+        h = self._bda(attn_out, attn_bias, residual, scale)
         if self.layer_type == "decoder":
             if encoder_output is None:
                 raise ValueError("TransformerLayer: layer_type='decoder' needs encoder_output")
@@ -223,7 +293,7 @@ class TransformerLayer(nn.Module):
                 inter_out, inter_bias, residual = inter
             else:
                 (inter_out, inter_bias), residual = inter, h
-            h = self._bda(inter_out, inter_bias, residual)
+            h = self._bda(inter_out, inter_bias, residual, scale)
         mlp = self.layernorm_mlp(h, is_first_microbatch)
         if self.apply_residual_connection_post_layernorm:
             mlp_out, mlp_bias, residual = mlp
@@ -231,7 +301,7 @@ class TransformerLayer(nn.Module):
             (mlp_out, mlp_bias), residual = mlp, h
         if self.output_layernorm:
             return self._bda_norm(mlp_out, mlp_bias, residual)
-        return self._bda(mlp_out, mlp_bias, residual)
+        return self._bda(mlp_out, mlp_bias, residual, scale)
 
     @classmethod
     def from_hf(cls, hf_layer: nn.Module, hf_config: object = None, *, backend: str | None = None) -> TransformerLayer:
@@ -514,4 +584,4 @@ def _hf_rotary(position_embeddings: object) -> RotaryTables:
     return RotaryTables(cos.float(), sin.float())
 
 
-__all__ = ["HFLayerAdapter", "TransformerLayer", "hf_key_padding"]
+__all__ = ["HFLayerAdapter", "TransformerLayer", "hf_key_padding", "pld_draw_keep", "pld_keep_probability"]

@@ -1,9 +1,10 @@
 """``tachyon train [CONFIG]``: the main job (registered in ``tachyon.cli.SUBCOMMANDS`` as "train").
 
-    tachyon train                               the default config (small BERT, CPU: 2 processes)
-    tachyon train examples/train_gpt_cpu.json   another config
+    tachyon train                               the default job (small BERT, CPU: 2 processes)
+    tachyon train --model gpt                   the GPT job
+    tachyon train examples/train_ci.json        another config
     tachyon train CONFIG --resume               continue from the latest checkpoint of the run
-    tachyon train CONFIG --steps 600 --nproc 1 --output-dir runs/mine
+    tachyon train CONFIG --steps 600 --nproc 1 --output-dir runs/mine --quiet
 
 Launching: outside a torchrun environment with more than one process, the command re-executes
 itself as ``python -m torch.distributed.run --standalone --nproc-per-node N -m tachyon.train ...``
@@ -13,11 +14,15 @@ N: ``--nproc``, else the number of GPUs on a CUDA machine, else the config's ``n
 Output directory: ``--output-dir``, else the config's ``output_dir``, else
 ``runs/<model>-<YYYYmmdd-HHMMSS>``; with ``--resume`` and neither given, the newest
 ``runs/<model>-*`` that holds checkpoints.
+
+The job needs matplotlib (loss.png) and tokenizers (the BPE tokenizer): the ``train`` extra.
+Without them the command stops before any work with the ``pip install`` line that adds them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shlex
 import subprocess
@@ -27,26 +32,55 @@ from pathlib import Path
 
 from tachyon.config import ConfigError
 
-__all__ = ["add_arguments", "default_config_path", "launch_command", "resolve_output_dir", "run"]
+__all__ = ["HELP", "add_arguments", "default_config_path", "launch_command", "missing_dependencies",
+           "resolve_output_dir", "run"]
 
 HELP = "train a small BERT (or GPT) on the embedded Shakespeare corpus with the tachyon engine"
+MODELS = ("bert", "gpt")
+TRAIN_DEPENDENCIES = ("matplotlib", "tokenizers")
 
 
-def default_config_path() -> Path | None:
-    """examples/train_bert_cpu.json of a source checkout, when it is there (None: built-in defaults)."""
-    path = Path(__file__).resolve().parents[3] / "examples" / "train_bert_cpu.json"
+def default_config_path(model: str = "bert") -> Path | None:
+    """examples/train_<model>_cpu.json of a source checkout, when it is there (None: the built-in
+    job, the same settings)."""
+    path = Path(__file__).resolve().parents[3] / "examples" / f"train_{model}_cpu.json"
     return path if path.is_file() else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tachyon train``; every help line ends with its default."""
     parser.add_argument("config", nargs="?", default=None,
-                        help="the job's JSON config (default: examples/train_bert_cpu.json, or built-in defaults)")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output dir")
+                        help="the job's JSON config (default: examples/train_<model>_cpu.json, the built-in job)")
+    parser.add_argument("--model", choices=MODELS, default=None,
+                        help="the built-in job to run, or the model of CONFIG to override (default: bert, or "
+                             "CONFIG's model)")
+    from tachyon.train.config import BUILT_IN_JOBS, TrainConfig
+
+    steps = {model: job.get("steps", TrainConfig.model_fields["steps"].default) for model, job in BUILT_IN_JOBS.items()}
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
+                        help="total optimizer steps (default: the config's steps; built-in jobs: "
+                             + ", ".join(f"{model} {n}" for model, n in steps.items()) + ")")
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
-                        help="processes (default: the number of GPUs, else the config's nproc)")
-    parser.add_argument("--steps", type=int, default=None, metavar="N", help="override the config's total steps")
-    parser.add_argument("--output-dir", default=None, metavar="DIR", help="override the config's output_dir")
-    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+                        help="processes (default: the number of GPUs, else the config's nproc, 2)")
+    parser.add_argument("--output-dir", default=None, metavar="DIR",
+                        help="where the run writes (default: the config's output_dir, else runs/<model>-<time>)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in the output dir (default: off, a new run)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar, the step lines only (default: a bar when stderr is a terminal)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print only errors and the one-line result (default: off)")
+
+
+def missing_dependencies() -> list[str]:
+    """The packages of the ``train`` extra that do not import (not installed, or broken)."""
+    missing = []
+    for name in TRAIN_DEPENDENCIES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
 
 
 def _in_torchrun() -> bool:
@@ -83,23 +117,35 @@ def launch_command(args: argparse.Namespace, nproc: int, output_dir: Path) -> li
            "-m", "tachyon.train"]  # the same as `tachyon train`, whatever the CLI registry holds
     if args.config is not None:
         cmd.append(str(args.config))
+    if args.model is not None:
+        cmd += ["--model", args.model]
     cmd += ["--output-dir", str(output_dir)]
     if args.steps is not None:
         cmd += ["--steps", str(args.steps)]
-    if args.resume:
-        cmd.append("--resume")
-    if args.no_progress:
-        cmd.append("--no-progress")
+    for flag in ("resume", "no_progress", "quiet"):
+        if getattr(args, flag):
+            cmd.append("--" + flag.replace("_", "-"))
     return cmd
 
 
+def _output_mode(args: argparse.Namespace) -> str:
+    return "quiet" if args.quiet else "lines" if args.no_progress else "bar"
+
+
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``tachyon train``; returns the exit code (2 for a bad config or argument)."""
+    """Entry point of ``tachyon train``; returns the exit code (2 for a bad config or argument, or
+    a missing dependency)."""
+    missing = missing_dependencies()
+    if missing:
+        print(f"tachyon train: error: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed; "
+              "the training job needs them (loss.png, the BPE tokenizer): pip install 'tachyon[train]'",
+              file=sys.stderr)
+        return 2
     from tachyon.train.config import load_train_config
 
-    source = args.config if args.config is not None else default_config_path()
+    source = args.config if args.config is not None else default_config_path(args.model or "bert")
     try:
-        config = load_train_config(source, steps=args.steps)
+        config = load_train_config(source, model=args.model, steps=args.steps)
         nproc = None if _in_torchrun() else _process_count(args, config.nproc)
         if nproc is not None:  # check the engine section here, not in N processes after the launch
             import tachyon
@@ -113,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
     output_dir = resolve_output_dir(args.output_dir or config.output_dir, config.model, args.resume)
     if nproc is not None and nproc > 1:
         cmd = launch_command(args, nproc, output_dir)
-        print(shlex.join(cmd), flush=True)
+        if not args.quiet:
+            print(shlex.join(cmd), flush=True)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # silences torchrun's note
         try:
@@ -125,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     from tachyon.train.run import train
 
     try:
-        train(config, output_dir, resume=args.resume, progress=not args.no_progress)
+        train(config, output_dir, resume=args.resume, output=_output_mode(args))
     except ConfigError as error:
         print(f"tachyon train: error: {error}", file=sys.stderr)
         return 2

@@ -3,13 +3,15 @@
 
     {
       "model": "bert",                  "bert" (masked LM, fused kernel layers) or "gpt" (causal LM)
-      "hidden_size": 128, "num_layers": 4, "num_heads": 4, "seq_len": 128,
-      "steps": 300,                     optimizer steps of the whole run (resume continues to it)
-      "checkpoint_interval": 100,       save every K steps (and at the end); 0: only at the end
+      "tokenizer": "bpe",               "bpe" (shipped, 2048 ids), "byte" or a tokenizer.json path
+      "hidden_size": 128, "num_layers": 2, "num_heads": 4, "seq_len": 32, "mask_prob": 0.3,
+      "steps": 500,                     optimizer steps of the whole run (resume continues to it)
+      "checkpoint_interval": 250,       save every K steps (and at the end); 0: only at the end
+      "eval_interval": 50,              validation loss every K steps (and at the end)
       "output_dir": null,               null: runs/<model>-<timestamp>
       "nproc": 2,                       processes on a CPU machine (a GPU machine uses all GPUs)
       "precision": "auto",              "auto": bf16 where tachyon.capabilities()["bf16"] says so
-      "engine": {"train_micro_batch_size_per_gpu": 16, "zero_optimization": {"stage": 2}, ...}
+      "engine": {"train_micro_batch_size_per_gpu": 64, "zero_optimization": {"stage": 2}, ...}
     }
 
 Fill-ins into ``engine`` (only where the key is absent): ``bf16``/``fp16`` from ``precision``
@@ -32,22 +34,39 @@ from tachyon.config import ConfigError
 from tachyon.config.errors import did_you_mean, unknown_key, validation_problems
 from tachyon.config.types import NonNegativeInt, PositiveInt, Section
 
-__all__ = ["DEFAULT_ENGINE", "TrainConfig", "load_train_config", "resolve_precision"]
+__all__ = ["BUILT_IN_JOBS", "DEFAULT_ENGINE", "TrainConfig", "load_train_config", "resolve_precision"]
 
 Ratio = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 DEFAULT_ENGINE: dict[str, Any] = {
-    "train_micro_batch_size_per_gpu": 16,
+    "train_micro_batch_size_per_gpu": 64,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 1.0,
-    "steps_per_print": 10,
-    "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.01}},
+    "steps_per_print": 50,
+    "optimizer": {"type": "AdamW", "params": {"lr": 5e-3, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.01}},
     "scheduler": {"type": "WarmupDecayLR",
-                  "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-3, "warmup_num_steps": 30,
+                  "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 5e-3, "warmup_num_steps": 30,
                              "warmup_type": "linear"}},
     "zero_optimization": {"stage": 2},
 }
 """The engine section used when a config has none: AdamW, linear warmup + decay, ZeRO-2."""
+
+GPT_JOB: dict[str, Any] = {
+    "model": "gpt", "position": "rope", "num_layers": 4, "seq_len": 128, "steps": 300, "examples": 3,
+    "engine": {
+        "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "steps_per_print": 50,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupCosineLR",
+                      "params": {"warmup_num_steps": 30, "warmup_type": "linear", "cos_min_ratio": 0.1}},
+        "zero_optimization": {"stage": 2},
+    },
+}
+"""`tachyon train --model gpt` without a config (= examples/train_gpt_cpu.json): what differs from
+the BERT defaults (RoPE, GPT-style AdamW betas and weight decay, a cosine schedule)."""
+
+BUILT_IN_JOBS: dict[str, dict[str, Any]] = {"bert": {}, "gpt": GPT_JOB}
+"""The job ``tachyon train [--model M]`` runs without a config: TrainConfig's defaults, updated by these."""
 
 _TOTAL_STEPS_SCHEDULERS = ("WarmupDecayLR", "WarmupCosineLR")
 
@@ -56,28 +75,33 @@ class TrainConfig(Section):
     """The validated settings of one training run (see the module docstring for the JSON)."""
 
     model: Literal["bert", "gpt"] = "bert"
-    tokenizer: Literal["byte", "bpe"] = "byte"
+    tokenizer: str = "bpe"
+    """"bpe" (the shipped 2048-id tokenizer.json), "byte" (262 ids) or a tokenizer.json path."""
     hidden_size: PositiveInt = 128
-    num_layers: PositiveInt = 4
+    num_layers: PositiveInt = 2
     num_heads: PositiveInt = 4
     intermediate_size: PositiveInt | None = None
     """FFN width; null: 4 * hidden_size."""
-    seq_len: Annotated[int, Field(ge=8)] = 128
+    seq_len: Annotated[int, Field(ge=8)] = 32
     hidden_dropout: Ratio = 0.0
     attention_dropout: Ratio = 0.0
     tie_embeddings: bool = True
     position: Literal["learned", "rope"] = "learned"
     """GPT only: learned position table or rotary embeddings."""
-    mask_prob: Annotated[float, Field(gt=0.0, le=1.0)] = 0.15
-    """BERT only: share of tokens selected for prediction."""
+    mask_prob: Annotated[float, Field(gt=0.0, le=1.0)] = 0.3
+    """BERT only: share of the training tokens selected for prediction (validation always scores 15 %)."""
     kernel_flags: dict[str, bool] = Field(default_factory=dict)
     """BERT only: TransformerKernelConfig memory flags (normalize_invertible, gelu_checkpoint,
     attn_dropout_checkpoint, stochastic_mode)."""
 
-    steps: PositiveInt = 300
-    checkpoint_interval: NonNegativeInt = 100
-    eval_batches: NonNegativeInt = 8
-    """Micro-batches of the validation split scored at the end (per rank); 0: no evaluation."""
+    steps: PositiveInt = 500
+    checkpoint_interval: NonNegativeInt = 250
+    eval_interval: NonNegativeInt = 50
+    """Score the validation split every K steps (and always at the last step); 0: only at the end."""
+    eval_batches: PositiveInt | None = None
+    """Validation micro-batches per rank that one evaluation scores; null: the whole split."""
+    examples: NonNegativeInt = 5
+    """Fill-mask predictions (BERT) or generated passages (GPT) in summary.txt; 0: none."""
     output_dir: str | None = None
     nproc: PositiveInt = 2
     """Processes on a machine without CUDA (with CUDA: one per GPU); --nproc overrides both."""
@@ -99,6 +123,9 @@ class TrainConfig(Section):
                 raise ValueError(f"kernel_flags: unknown flag {key!r}{hint} (allowed: {', '.join(allowed_flags)})")
         if self.kernel_flags and self.model != "bert":
             raise ValueError("kernel_flags apply to model 'bert' only")
+        if self.tokenizer not in ("bpe", "byte") and not Path(self.tokenizer).is_file():
+            raise ValueError(f"tokenizer must be \"bpe\", \"byte\" or the path of a tokenizer.json file; "
+                             f"got {self.tokenizer!r}, which is neither")
         if self.position != "learned" and self.model != "gpt":
             raise ValueError("position 'rope' applies to model 'gpt' only (BERT uses learned positions)")
         return self
@@ -147,11 +174,15 @@ def resolve_precision(precision: str, bf16_available: bool) -> str:
     return precision
 
 
-def load_train_config(source: str | Path | dict[str, Any] | None = None, **overrides: Any) -> TrainConfig:
-    """A TrainConfig from a JSON path, a dict or None (the defaults), with ``overrides`` applied
-    on top (keys of TrainConfig; None values are skipped). Raises ConfigError naming the key."""
+def load_train_config(source: str | Path | dict[str, Any] | None = None, *, model: str | None = None,
+                      **overrides: Any) -> TrainConfig:
+    """A TrainConfig from a JSON path, a dict or None (the built-in job of ``model``, default
+    "bert"), with ``model`` and ``overrides`` applied on top (keys of TrainConfig; None values are
+    skipped). Raises ConfigError naming the key."""
+    if model is not None and model not in BUILT_IN_JOBS:
+        raise ConfigError(f"model must be one of {', '.join(BUILT_IN_JOBS)}; got {model!r}")
     if source is None:
-        raw: dict[str, Any] = {}
+        raw: dict[str, Any] = copy.deepcopy(BUILT_IN_JOBS[model or "bert"])
     elif isinstance(source, dict):
         raw = copy.deepcopy(source)
     else:
@@ -164,7 +195,7 @@ def load_train_config(source: str | Path | dict[str, Any] | None = None, **overr
             raise ConfigError(f"{path}: not valid JSON ({error})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a JSON object, got {type(raw).__name__}")
-    raw.update({k: v for k, v in overrides.items() if v is not None})
+    raw.update({k: v for k, v in {"model": model, **overrides}.items() if v is not None})
     known = TrainConfig.model_fields
     problems = [unknown_key(str(key), "", known) for key in raw if key not in known]
     if problems:

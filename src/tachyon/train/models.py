@@ -88,6 +88,15 @@ def sinusoidal_positions(rows: int, dim: int, std: float) -> Tensor:
     return (table * (std * math.sqrt(2.0))).float()  # sin/cos have root mean square 1/sqrt(2)
 
 
+def _padded_bias(bias: Tensor, vocab_size: int, padded_vocab: int) -> Tensor:
+    if not isinstance(bias, Tensor) or bias.shape != (vocab_size,) or not bias.is_floating_point():
+        got = f"{bias.dtype} {tuple(bias.shape)}" if isinstance(bias, Tensor) else type(bias).__name__
+        raise ValueError(f"output_bias must be a float tensor [vocab_size={vocab_size}]; got {got}")
+    padded = torch.full((padded_vocab,), float(bias.min()), dtype=torch.float32)
+    padded[:vocab_size] = bias.float()
+    return padded
+
+
 def count_parameters(model: nn.Module) -> int:
     """Number of distinct parameter elements (a tied weight counts once)."""
     return sum(p.numel() for p in model.parameters())
@@ -110,6 +119,10 @@ class BertMLM(nn.Module):
         kernel_flags: extra :class:`~tachyon.nn.TransformerKernelConfig` fields (e.g.
             ``normalize_invertible``, ``gelu_checkpoint``, ``attn_dropout_checkpoint``).
         initializer_range: std of the kernel layers' weight init (DeepSpeed/BERT: 0.02).
+        output_bias: initial LM-head bias, fp32 ``[vocab_size]`` (None: zeros). ``tachyon train``
+            passes the log unigram frequencies of the training tokens, so the model starts at the
+            context-free loss and every step goes into learning from the context; the padded
+            rows get the smallest given value.
 
     forward(input_ids [b, s] int64, attention_mask [b, s] 0/1 or None, labels [b, s] int64 with
     -100 at unscored positions) -> mean cross-entropy (fp32 scalar) over the scored positions.
@@ -133,6 +146,7 @@ class BertMLM(nn.Module):
         seed: int = 0,
         kernel_flags: dict | None = None,
         initializer_range: float = 0.02,
+        output_bias: Tensor | None = None,
     ) -> None:
         super().__init__()
         intermediate_size = intermediate_size or 4 * hidden_size
@@ -167,6 +181,8 @@ class BertMLM(nn.Module):
                 module.weight.normal_(0.0, std)
             self.position_embedding.weight.copy_(sinusoidal_positions(max_seq_len, hidden_size, std))
             self.transform.bias.zero_()
+            if output_bias is not None:
+                self.lm_bias.copy_(_padded_bias(output_bias, vocab_size, padded_vocab))
             if not tie_embeddings:
                 self.lm_head.weight.normal_(0.0, std)
         if tie_embeddings:
@@ -176,6 +192,12 @@ class BertMLM(nn.Module):
         if labels is None:
             raise ValueError("BertMLM: labels are required (the model returns the masked-LM loss)")
         _check_batch("BertMLM", input_ids, labels, self.max_seq_len)
+        scored = labels != IGNORE_INDEX
+        return F.cross_entropy(self.logits_at(input_ids, scored, attention_mask), labels[scored])
+
+    def logits_at(self, input_ids: Tensor, scored: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """fp32 logits ``[n, vocab_size]`` at the ``n`` positions where ``scored`` ([b, s] bool) is
+        True, in row-major order (what fill-mask reads; the loss is their cross-entropy)."""
         seq = input_ids.shape[1]
         positions = torch.arange(seq, device=input_ids.device)
         x = self.token_embedding(input_ids) + self.position_embedding(positions)
@@ -186,11 +208,10 @@ class BertMLM(nn.Module):
         mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
         for layer in self.layers:
             x = layer(x, mask)
-        scored = labels != IGNORE_INDEX
         h = self.final_norm(x[scored])  # [n_scored, hidden]: the head only runs where a label is
         h = self.transform_norm(F.gelu(self.transform(h)))
         logits = self.lm_head(h) + self.lm_bias
-        return F.cross_entropy(logits.float(), labels[scored])
+        return logits.float()[:, :self.vocab_size]  # the padded rows are never answers
 
 
 class GPT(nn.Module):
@@ -281,6 +302,10 @@ class GPT(nn.Module):
         if labels is None:
             raise ValueError("GPT: labels are required (the model returns the language-model loss)")
         _check_batch("GPT", input_ids, labels, self.max_seq_len)
+        return F.cross_entropy(self.logits(input_ids).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+    def logits(self, input_ids: Tensor) -> Tensor:
+        """fp32 next-token logits ``[b, s, vocab_size]`` (what generation samples from)."""
         seq = input_ids.shape[1]
         x = self.token_embedding(input_ids)
         rotary = None
@@ -294,5 +319,4 @@ class GPT(nn.Module):
             rotary = self._rope_cache[key]
         for layer in self.layers:
             x = layer(x, rotary_pos_emb=rotary)
-        logits = self.lm_head(self.final_norm(x))
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        return self.lm_head(self.final_norm(x)).float()[..., :self.vocab_size]  # padded rows are never answers

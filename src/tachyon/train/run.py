@@ -4,29 +4,33 @@ the only process).
     result = train(load_train_config("examples/train_ci.json"), output_dir=Path("runs/ci"), resume=False)
 
 What it does, in order: pick the precision and threads, seed, build the datasets (the embedded
-corpus, no downloads) and the model, ``tachyon.initialize`` the engine (torch.distributed starts
-there under torchrun), optionally load the latest checkpoint, then train until the engine's
-``global_steps`` reaches ``config.steps``:
+corpus and the shipped tokenizer, no downloads) and the model, ``tachyon.initialize`` the engine
+(torch.distributed starts there under torchrun), optionally load the latest checkpoint, then
+train until the engine's ``global_steps`` reaches ``config.steps``:
 
-- rank 0 shows a tqdm bar (stderr, at most one refresh per second, every 30 s when stderr is not
-  a terminal). The step lines (every ``steps_per_print`` steps: loss averaged over the
-  data-parallel ranks, lr, grad norm, loss scale, skipped steps, samples/s, tokens/s, step
-  time), the ``tensorboard`` / ``csv_monitor`` events and the ``wall_clock_breakdown`` lines are
-  the engine's own (`tachyon.engine.telemetry`); this loop only tells it the tokens per sample,
-  routes its lines through the bar, and reads ``engine.telemetry.last_step`` for metrics.csv.
+- output on rank 0, by ``output``: "bar" (a tqdm bar on stderr with loss, validation loss and
+  tokens/s; the step and validation lines are written above it with ``tqdm.write``, never
+  through it; without a terminal there is no bar, only the lines), "lines" (the lines, no bar) or
+  "quiet" (nothing until the one-line result). The step lines (every ``steps_per_print`` steps:
+  loss averaged over the data-parallel ranks, lr, grad norm, loss scale, skipped steps,
+  samples/s, tokens/s, step time), the ``tensorboard`` / ``csv_monitor`` events and the
+  ``wall_clock_breakdown`` lines are the engine's own (`tachyon.engine.telemetry`); this loop
+  tells it the tokens per sample, routes its lines and reads ``engine.telemetry.last_step``.
+- every ``eval_interval`` steps and at the last step: the validation loss and top-1 accuracy
+  (:mod:`tachyon.train.evaluate`; every rank scores its share, the sums are all-reduced).
 - every ``checkpoint_interval`` steps and at the end, ``engine.save_checkpoint(output_dir /
   "checkpoints", tag="global_step<N>", client_state={"epoch", "batches_in_epoch"})``, the data
   position, so ``--resume`` continues with the next unseen micro-batch.
-- at the end: the validation loss over ``eval_batches`` micro-batches per rank, then rank 0
-  writes ``metrics.csv`` (appended to on resume), ``loss.png`` (the whole run, earlier
-  segments included) and ``summary.txt`` (final loss, tokens/s, memory per rank).
+- at the end, rank 0 writes ``metrics.csv`` and ``validation.csv`` (appended to on resume),
+  ``loss.png`` (the whole run) and ``summary.txt`` (the job, validation loss vs the unigram
+  baseline, fill-mask predictions or generated lines, memory per rank), and prints the table
+  and the summary; then ``engine.destroy()``.
 """
 
 from __future__ import annotations
 
-import csv
 import math
-import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,198 +38,185 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
 
 import tachyon
 from tachyon.config import load_config
-from tachyon.data import build_lm_datasets, collate
+from tachyon.data import build_lm_datasets, collate, load_works
 from tachyon.train.config import TrainConfig
+from tachyon.train.evaluate import (
+    Evaluation, evaluate, evaluation_indices, fill_mask_examples, generate_lines, unigram_baseline, unigram_log_probs,
+)
+from tachyon.train.helpers import (
+    Checkpointer, epoch_loader, mean_over_ranks, memory_per_rank, or_nan, rank_and_world, rank_seed,
+    reseed_kernel_dropout, set_threads,
+)
 from tachyon.train.models import GPT, BertMLM, count_parameters
 from tachyon.train.plot import plot_training
+from tachyon.train.report import (
+    METRIC_COLUMNS, VALIDATION_COLUMNS, final_table, read_metrics, summary_text, write_rows,
+)
 
-__all__ = ["METRIC_COLUMNS", "TrainResult", "build_model", "read_metrics", "train"]
+__all__ = ["OUTPUT_MODES", "TrainResult", "build_model", "read_metrics", "train"]
 
-METRIC_COLUMNS = ("step", "loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s", "step_time_s")
+OUTPUT_MODES = ("bar", "lines", "quiet")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
 class TrainResult:
     """What one process saw: the steps it ran (``first_step``..``last_step``), the per-step
-    metrics rows (rank 0 only; other ranks get an empty list) and the validation loss."""
+    metrics rows (rank 0 only; other ranks get an empty list), the last validation result and
+    the unigram baseline on the same targets."""
 
     first_step: int
     last_step: int
     rows: list[dict[str, float]] = field(default_factory=list)
-    validation_loss: float | None = None
+    validation: Evaluation | None = None
+    baseline: Evaluation | None = None
     checkpoints: list[str] = field(default_factory=list)
 
-
-def _rank_seed(seed: int, rank: int) -> int:
-    """Each rank's dropout seed: ranks see different data, so they draw different masks."""
-    return (seed * 1_000_003 + rank) % 2**62
-
-
-def _reseed_kernel_dropout(model: torch.nn.Module, seed: int) -> None:
-    """Give the fused BERT layers this rank's dropout seed again after a checkpoint load (the
-    checkpoint holds one rank's seeds); their forward counters stay as loaded."""
-    for module in model.modules():
-        if hasattr(module, "dropout_seed") and hasattr(module, "dropout_calls"):
-            module.dropout_seed = seed
+    @property
+    def validation_loss(self) -> float | None:
+        return None if self.validation is None else self.validation.loss
 
 
 def build_model(config: TrainConfig, vocab_size: int, dtype: torch.dtype, max_batch_size: int,
-                dropout_seed: int | None = None) -> torch.nn.Module:
+                dropout_seed: int | None = None, output_bias: torch.Tensor | None = None) -> torch.nn.Module:
     """The model ``config`` names, with parameters in ``dtype`` (the training precision);
-    ``dropout_seed`` seeds the fused BERT layers' dropout (default: ``config.seed``)."""
+    ``dropout_seed`` seeds the fused BERT layers' dropout (default: ``config.seed``);
+    ``output_bias``: BERT's initial LM-head bias (see :class:`BertMLM`)."""
     common = dict(vocab_size=vocab_size, hidden_size=config.hidden_size, num_layers=config.num_layers,
                   num_heads=config.num_heads, intermediate_size=config.intermediate_size,
                   max_seq_len=config.seq_len, hidden_dropout=config.hidden_dropout,
                   attention_dropout=config.attention_dropout, tie_embeddings=config.tie_embeddings, dtype=dtype)
     if config.model == "bert":
         seed = config.seed if dropout_seed is None else dropout_seed
-        return BertMLM(**common, max_batch_size=max_batch_size, seed=seed, kernel_flags=config.kernel_flags)
+        return BertMLM(**common, max_batch_size=max_batch_size, seed=seed, kernel_flags=config.kernel_flags,
+                       output_bias=output_bias)
     return GPT(**common, position=config.position)
 
 
-def read_metrics(path: str | Path) -> list[dict[str, float]]:
-    """The rows of a metrics.csv as dicts of floats (``step`` as int)."""
-    with Path(path).open(newline="") as handle:
-        return [{k: (int(v) if k == "step" else float(v)) for k, v in row.items()} for row in csv.DictReader(handle)]
+class _Console:
+    """Rank 0's output: the bar (or none) and the lines, by output mode (module docstring)."""
 
+    def __init__(self, mode: str, rank: int, total: int, initial: int) -> None:
+        if mode not in OUTPUT_MODES:
+            raise ValueError(f"output must be one of {OUTPUT_MODES}; got {mode!r}")
+        self.bar = None
+        self.lines = rank == 0 and mode != "quiet"
+        if rank == 0 and mode == "bar":
+            from tqdm import tqdm
 
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+            # disable=None: no bar when stderr is not a terminal (a log gets the lines alone)
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr, disable=None, leave=False)
+            if self.bar.disable:
+                self.bar = None
 
-
-def _mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    """Element-wise mean of ``values`` over the data-parallel ranks (the values themselves alone)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return (tensor / dist.get_world_size()).tolist()
-
-
-def _set_threads(config: TrainConfig, world: int) -> None:
-    if torch.cuda.is_available():
-        return
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    threads = config.threads_per_process or max(1, (os.cpu_count() or 1) // max(local_world, 1))
-    torch.set_num_threads(threads)
-
-
-def _epoch_loader(dataset: Any, sampler: Any, epoch: int, skip_batches: int, micro_batch: int) -> DataLoader:
-    """This rank's micro-batches of ``epoch``, starting after the first ``skip_batches``."""
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(epoch)
-    if hasattr(dataset, "set_epoch"):
-        dataset.set_epoch(epoch)  # fresh masked-LM masks per epoch
-    indices = list(sampler)[skip_batches * micro_batch:]
-    return DataLoader(dataset, batch_size=micro_batch, sampler=indices, collate_fn=collate)
-
-
-def _or_nan(value: float | None) -> float:
-    return math.nan if value is None else value
-
-
-class _Checkpointer:
-    """engine.save_checkpoint / load_checkpoint into ``directory``, each tag saved once."""
-
-    def __init__(self, engine: Any, directory: Path) -> None:
-        self.engine, self.directory = engine, directory
-        self.saved: list[str] = []
-
-    def save(self, step: int, client_state: dict[str, Any]) -> None:
-        tag = f"global_step{step}"
-        if tag in self.saved:
+    def write(self, line: str) -> None:
+        if not self.lines:
             return
-        self.engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state)
-        self.saved.append(tag)
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout)  # above the bar, which is redrawn below it
+        else:
+            print(line, flush=True)
 
-    def load(self) -> dict[str, Any] | None:
-        """The client state of the latest checkpoint, or None when there is none to load."""
-        if not self.directory.is_dir():
-            return None
-        path, client_state = self.engine.load_checkpoint(str(self.directory))
-        if path is None:
-            return None
-        return dict(client_state or {})
+    def update(self, loss: float, tokens_per_s: float, validation: float | None) -> None:
+        if self.bar is None:
+            return
+        postfix = {"loss": f"{loss:.3f}"}
+        if validation is not None:
+            postfix["val"] = f"{validation:.3f}"
+        if math.isfinite(tokens_per_s):
+            postfix["tok/s"] = f"{tokens_per_s:,.0f}"
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
-def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, progress: bool = True) -> TrainResult:
+def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, output: str = "bar") -> TrainResult:
     """Run (or continue, with ``resume``) the training job ``config`` describes in this process.
 
     Under torchrun every rank calls this; torch.distributed is started by ``tachyon.initialize``.
-    Files go to ``output_dir`` (created): checkpoints/, metrics.csv, loss.png, summary.txt.
-    Returns this process's :class:`TrainResult`."""
+    Files go to ``output_dir`` (created): checkpoints/, metrics.csv, validation.csv, loss.png,
+    summary.txt. ``output``: "bar", "lines" or "quiet" (module docstring). Returns this process's
+    :class:`TrainResult`."""
     output_dir = Path(output_dir)
     started = time.perf_counter()
-    rank, world = _rank_and_world()
-    _set_threads(config, world)
+    rank, world = rank_and_world()
+    set_threads(config.threads_per_process, world)
     precision = config.training_precision(tachyon.capabilities()["bf16"].available)
-    dtype = _DTYPES[precision]
     engine_config = config.engine_config(precision)
-
     # checked (and the micro-batch resolved) before any work: a bad engine section fails fast
     micro_batch = load_config(engine_config, world).train_micro_batch_size_per_gpu
 
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     train_set, val_set = build_lm_datasets(config.objective, config.seq_len, seed=config.seed,
                                            mask_prob=config.mask_prob, tokenizer=config.tokenizer)
-    vocab_size = train_set.tokenizer.vocab_size
-    model = build_model(config, vocab_size, dtype, micro_batch, dropout_seed=_rank_seed(config.seed, rank))
+    tokenizer = train_set.tokenizer
+    prior = unigram_log_probs(train_set.tokens, tokenizer.vocab_size)
+    model = build_model(config, tokenizer.vocab_size, _DTYPES[precision], micro_batch,
+                        dropout_seed=rank_seed(config.seed, rank), output_bias=prior)
     n_params = count_parameters(model)
     engine, _, dataloader, _ = tachyon.initialize(
         model=model, model_parameters=model.parameters(), training_data=train_set, collate_fn=collate,
         config=engine_config,
     )
-    rank, world = _rank_and_world()
-    torch.manual_seed(_rank_seed(config.seed, rank))  # per-rank dropout seeds of the TE-style layers
+    rank, world = rank_and_world()
+    torch.manual_seed(rank_seed(config.seed, rank))  # per-rank dropout seeds of the TE-style layers
     device = engine.device
     sampler = dataloader.sampler  # a DistributedSampler over the data-parallel ranks
+    indices = evaluation_indices(len(val_set), config.eval_batches, micro_batch, world)
+    baseline = unigram_baseline(prior, val_set, indices)
 
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
-    checkpointer = _Checkpointer(engine, output_dir / "checkpoints")
+    checkpointer = Checkpointer(engine, output_dir / "checkpoints")
     epoch, batches_in_epoch = 0, 0
+    notes = []
     if resume:
         state = checkpointer.load()
         if state is None:
-            if rank == 0:
-                print(f"tachyon train: --resume: no checkpoint in {checkpointer.directory}; starting from step 0",
-                      file=sys.stderr)
+            notes.append(f"--resume: no checkpoint in {checkpointer.directory}; starting from step 0")
         else:
             epoch, batches_in_epoch = int(state.get("epoch", 0)), int(state.get("batches_in_epoch", 0))
-            _reseed_kernel_dropout(model, _rank_seed(config.seed, rank))
-            if rank == 0:
-                print(f"tachyon train: resumed from step {engine.global_steps} (epoch {epoch}, "
-                      f"micro-batch {batches_in_epoch})", flush=True)
+            reseed_kernel_dropout(model, rank_seed(config.seed, rank))
+            notes.append(f"resumed from step {engine.global_steps} (epoch {epoch}, micro-batch {batches_in_epoch})")
     first_step = engine.global_steps + 1
-    if rank == 0:
-        print(f"tachyon train: {config.model}, {n_params / 1e6:.2f} M parameters, {world} process(es) on "
-              f"{device.type}, {precision}, ZeRO stage {engine.zero_optimization_stage()}, "
-              f"global batch {engine.train_batch_size()} x {config.seq_len} tokens, steps {first_step}-{config.steps}, "
-              f"output {output_dir}", flush=True)
+    console = _Console(output, rank, config.steps, engine.global_steps)
+    for note in notes:
+        console.write(f"tachyon train: {note}")
+    console.write(f"tachyon train: {config.model}, {n_params / 1e6:.2f} M parameters, {world} process(es) on "
+                  f"{device.type}, {precision}, ZeRO stage {engine.zero_optimization_stage()}, global batch "
+                  f"{engine.train_batch_size()} x {config.seq_len} tokens, {tokenizer.name} tokenizer "
+                  f"({tokenizer.vocab_size} ids), steps {first_step}-{config.steps}, output {output_dir}")
+    console.write(f"unigram baseline on the validation targets: {baseline.loss:.3f} nats/token "
+                  f"(perplexity {baseline.perplexity:.1f})")
 
-    bar = None
-    if rank == 0 and progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=config.steps, initial=engine.global_steps, desc="train", unit="step", dynamic_ncols=True,
-                   mininterval=1.0 if sys.stderr.isatty() else 30.0, file=sys.stderr)
     telemetry = engine.telemetry  # the engine prints the step lines and writes the monitor events
     telemetry.set_tokens_per_sample(config.seq_len)
-    if bar is not None:
-        telemetry.printer = bar.write  # lines above the bar, not through it
+    telemetry.printer = console.write
     rows: list[dict[str, float]] = []
+    evaluations: list[dict[str, float]] = []
+    latest: Evaluation | None = None
+
+    def run_evaluation(step: int) -> None:
+        nonlocal latest
+        latest = evaluate(engine.module, val_set, indices, micro_batch, device, rank, world)
+        evaluations.append({"step": step, "loss": latest.loss, "accuracy": latest.accuracy,
+                            "baseline_loss": baseline.loss, "baseline_accuracy": baseline.accuracy})
+        console.write(f"validation at step {step}: {latest.loss:.3f} nats/token (perplexity {latest.perplexity:.1f}), "
+                      f"unigram baseline {baseline.loss:.3f} ({baseline.perplexity:.1f})")
+        telemetry.restart_window()  # the evaluation is not the next step's time
+
     engine.train()
     telemetry.restart_window()  # step 1's time starts at its first forward
     while engine.global_steps < config.steps:
-        for batch in _epoch_loader(train_set, sampler, epoch, batches_in_epoch, micro_batch):
+        for batch in epoch_loader(train_set, sampler, epoch, batches_in_epoch, micro_batch):
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             loss = engine(**batch)
             engine.backward(loss)
@@ -239,15 +230,15 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
             # the engine averaged the loss over the ranks on print steps; metrics.csv wants every step's
             loss_value = stats.global_loss
             if loss_value is None:
-                loss_value, = _mean_over_ranks([stats.loss.item()], device)
+                loss_value, = mean_over_ranks([stats.loss.item()], device)
             lrs = engine.get_lr()
             rows.append({"step": step, "loss": loss_value, "lr": float(lrs[0]) if lrs else 0.0,
-                         "grad_norm": _or_nan(engine.get_global_grad_norm()), "loss_scale": engine.loss_scale,
-                         "samples_per_s": _or_nan(stats.samples_per_s), "tokens_per_s": _or_nan(stats.tokens_per_s),
+                         "grad_norm": or_nan(engine.get_global_grad_norm()), "loss_scale": engine.loss_scale,
+                         "samples_per_s": or_nan(stats.samples_per_s), "tokens_per_s": or_nan(stats.tokens_per_s),
                          "step_time_s": stats.step_time_s})
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
+            if step >= config.steps or (config.eval_interval and step % config.eval_interval == 0):
+                run_evaluation(step)
+            console.update(loss_value, or_nan(stats.tokens_per_s), None if latest is None else latest.loss)
             if step >= config.steps or (config.checkpoint_interval and step % config.checkpoint_interval == 0):
                 checkpointer.save(step, {"epoch": epoch, "batches_in_epoch": batches_in_epoch, "step": step})
                 telemetry.restart_window()  # the save is not the next step's time
@@ -257,100 +248,71 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
             epoch, batches_in_epoch = epoch + 1, 0
             continue
         break
-    if bar is not None:
-        bar.close()
+    console.close()
     last_step = engine.global_steps
     if last_step >= first_step:
         checkpointer.save(last_step, {"epoch": epoch, "batches_in_epoch": batches_in_epoch, "step": last_step})
-    validation_loss = _evaluate(engine, val_set, config.eval_batches, micro_batch, rank, world, device)
-    memory = _memory_per_rank(engine, device)
-    result = TrainResult(first_step, last_step, rows if rank == 0 else [], validation_loss, checkpointer.saved)
+    if latest is None:  # nothing new trained (a resume at the end): still report the model
+        run_evaluation(last_step)
+    memory = memory_per_rank(engine, device)
+    result = TrainResult(first_step, last_step, rows if rank == 0 else [], latest, baseline, checkpointer.saved)
     if rank == 0:
-        all_rows = _write_metrics(output_dir / "metrics.csv", rows, first_step)
-        title = f"{config.model}, {world} x {device.type}, {precision}"
-        if all_rows:
-            plot_training(output_dir / "loss.png", [int(r["step"]) for r in all_rows], [r["loss"] for r in all_rows],
-                          [r["tokens_per_s"] for r in all_rows], title=title)
-        summary = _summary(config, engine, precision, world, device, n_params, vocab_size, result, all_rows, memory,
-                           time.perf_counter() - started, output_dir)
-        (output_dir / "summary.txt").write_text(summary)
-        print(summary, end="", flush=True)
+        _finish(config, engine, tokenizer, val_set, result, rows, evaluations, memory, precision, world, n_params,
+                time.perf_counter() - started, output_dir, output)
     engine.destroy()  # closes the monitor files and the engine's data-parallel group
     return result
 
 
-@torch.no_grad()
-def _evaluate(engine: Any, dataset: Any, batches: int, micro_batch: int, rank: int, world: int,
-              device: torch.device) -> float | None:
-    """Mean loss over the first ``batches`` validation micro-batches of every rank (None: none)."""
-    if batches == 0:
-        return None
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
-    indices = list(sampler)[:batches * micro_batch]
-    engine.eval()
-    losses = [engine(**{k: v.to(device) for k, v in batch.items()}).float().item()
-              for batch in DataLoader(dataset, batch_size=micro_batch, sampler=indices, collate_fn=collate)]
-    engine.train()
-    total, count = _mean_over_ranks([sum(losses), float(len(losses))], device)
-    return total / count if count else None
+def _samples(config: TrainConfig, model: Any, tokenizer: Any, val_set: Any, device: torch.device) -> list[str]:
+    """The fill-mask predictions (BERT) or generated lines (GPT) for summary.txt."""
+    if config.examples == 0:
+        return []
+    if config.model == "bert":
+        lines = ["fill-mask on held-out lines (validation split; the masked word as ____, the model's top 3):"]
+        for example in fill_mask_examples(model, tokenizer, val_set.tokens, config.seq_len, config.examples, device):
+            top = ", ".join(f"{word} {p:.2f}" for word, p in example["top"])
+            mark = "hit" if example["top"][0][0] == example["answer"] else "miss"
+            lines.append(f"  {example['line']}")
+            lines.append(f"      answer: {example['answer']:<12} model: {top}   ({mark})")
+        return lines
+    prompts = _speaker_prompts(config.examples)
+    lines = ["generated (the prompt is a speaker's name from the validation split, then 48 sampled tokens, "
+             "temperature 0.8, top-k 40):"]
+    for text in generate_lines(model, tokenizer, prompts, seed=config.seed, device=device):
+        lines += [f"  | {line}" for line in text.strip("\n").splitlines()] + ["  ---"]
+    return lines[:-1]
 
 
-def _memory_per_rank(engine: Any, device: torch.device) -> list[dict[str, float]]:
-    """Every rank's engine.memory_breakdown() (bytes) plus its peak memory, gathered on all ranks."""
-    mine = {k: float(v) for k, v in engine.memory_breakdown().items()}
-    if device.type == "cuda":
-        mine["peak_allocated"] = float(torch.cuda.max_memory_allocated(device))
-    else:
-        try:
-            import resource  # POSIX only
-        except ImportError:
-            resource = None
-        if resource is not None:  # ru_maxrss is KiB on Linux, bytes on macOS
-            scale = 1 if sys.platform == "darwin" else 1024
-            mine["peak_rss"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        return gathered
-    return [mine]
+def _speaker_prompts(count: int) -> list[str]:
+    """``count`` prompts from the validation text: the k-th speaker heading ("BRUTUS.") found at or
+    after (k + 0.5) / count of the split, followed by its line break."""
+    text = "\n\n".join(load_works("validation"))
+    prompts = []
+    for k in range(count):
+        match = re.compile(r"\n\n([A-Z][A-Z ]+\.)\n").search(text, int((k + 0.5) / count * len(text)))
+        if match:
+            prompts.append(match.group(1) + "\n")
+    return prompts
 
 
-def _write_metrics(path: Path, rows: list[dict[str, float]], first_step: int) -> list[dict[str, float]]:
-    """Append ``rows`` to metrics.csv, dropping earlier rows at or after ``first_step`` (a run that
-    resumed from an older checkpoint replaces them); returns the whole table."""
-    previous = [r for r in read_metrics(path) if r["step"] < first_step] if path.is_file() else []
-    table = previous + rows
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=METRIC_COLUMNS)
-        writer.writeheader()
-        for row in table:
-            writer.writerow({k: (row[k] if k == "step" else f"{row[k]:.6g}") for k in METRIC_COLUMNS})
-    return table
-
-
-def _window_mean(values: list[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else math.nan
-
-
-def _mib(value: float) -> str:
-    return f"{value / 2**20:.1f}"
-
-
-def _summary(config: TrainConfig, engine: Any, precision: str, world: int, device: torch.device,
-             n_params: int, vocab_size: int, result: TrainResult, table: list[dict[str, float]],
-             memory: list[dict[str, float]], wall_s: float, output_dir: Path) -> str:
-    window = max(1, min(10, len(table) // 4)) if table else 1
-    losses = [r["loss"] for r in table]
-    run_rows = [r for r in table if r["step"] >= result.first_step]
-    timed = run_rows[1:] if len(run_rows) > 1 else run_rows  # step 1 of a process includes warm-up
-    step_time = _window_mean([r["step_time_s"] for r in timed])
-    tokens_per_s = engine.train_batch_size() * config.seq_len / step_time if timed else math.nan
-    lines = [
+def _finish(config: TrainConfig, engine: Any, tokenizer: Any, val_set: Any, result: TrainResult,
+            rows: list[dict[str, float]], evaluations: list[dict[str, float]], memory: list[dict[str, float]],
+            precision: str, world: int, n_params: int, wall_s: float, output_dir: Path, output: str) -> None:
+    """Rank 0's end of the run: the CSVs, loss.png, summary.txt, and the table and summary printed."""
+    metrics = write_rows(output_dir / "metrics.csv", rows, result.first_step, METRIC_COLUMNS)
+    validation = write_rows(output_dir / "validation.csv", evaluations, result.first_step, VALIDATION_COLUMNS)
+    if metrics:
+        plot_training(output_dir / "loss.png", metrics, validation=[(int(v["step"]), v["loss"]) for v in validation],
+                      baseline=result.baseline.loss,
+                      title=f"{config.model}, {config.num_layers} x {config.hidden_size}, {tokenizer.name} tokenizer, "
+                            f"{world} x {engine.device.type}, {precision}")
+    timed = [r for r in rows if r["step"] > result.first_step]  # a process's first step includes warm-up
+    step_time = sum(r["step_time_s"] for r in timed) / len(timed) if timed else math.nan
+    job = [
         f"tachyon train: {config.model} ({config.num_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_heads} heads, {n_params / 1e6:.2f} M parameters), {config.tokenizer} tokenizer "
-        f"({vocab_size} ids), seq_len {config.seq_len}",
-        f"job: {world} process(es) on {device.type}, {precision}, ZeRO stage "
+        f"{config.num_heads} heads, {n_params / 1e6:.2f} M parameters), {tokenizer.name} tokenizer "
+        f"({tokenizer.vocab_size} ids), seq_len {config.seq_len}",
+        f"job: {world} process(es) on {engine.device.type}, {precision}, ZeRO stage "
         f"{engine.zero_optimization_stage()}, global batch {engine.train_batch_size()} "
         f"(micro-batch {engine.train_micro_batch_size_per_gpu()} x {engine.gradient_accumulation_steps()} "
         f"accumulation x {world} ranks)",
@@ -358,21 +320,29 @@ def _summary(config: TrainConfig, engine: Any, precision: str, world: int, devic
         + (f"{result.first_step}-{result.last_step}" if result.last_step >= result.first_step else "no new steps")
         + f"), wall time {wall_s:.1f} s",
     ]
-    if losses:
-        lines.append(f"loss: {_window_mean(losses[:window]):.4f} (mean of the first {window} steps) -> "
-                     f"{_window_mean(losses[-window:]):.4f} (mean of the last {window}); final step {losses[-1]:.4f}")
-    if result.validation_loss is not None:
-        lines.append(f"validation loss: {result.validation_loss:.4f} ({config.eval_batches} micro-batches per rank)")
     if timed:
-        lines.append(f"throughput: {tokens_per_s:.0f} tokens/s, {engine.train_batch_size() / step_time:.1f} samples/s, "
-                     f"{step_time * 1e3:.1f} ms/step (mean over this run's steps after its first)")
-    skipped = int(getattr(engine, "skipped_steps", 0))
-    lines.append(f"skipped steps (fp16 overflow): {skipped}")
-    lines.append("memory per rank (MiB):")
-    for rank, entry in enumerate(memory):
-        parts = ", ".join(f"{k} {_mib(v)}" for k, v in entry.items())
-        lines.append(f"  rank {rank}: {parts}")
+        tokens_per_s = engine.train_batch_size() * config.seq_len / step_time
+        job.append(f"throughput: {tokens_per_s:,.0f} tokens/s, {step_time * 1e3:.0f} ms/step (mean over this "
+                   f"run's steps after its first, evaluations and checkpoints excluded)")
+    if metrics:
+        window = max(1, min(10, len(metrics) // 4))
+        first = sum(r["loss"] for r in metrics[:window]) / window
+        last = sum(r["loss"] for r in metrics[-window:]) / window
+        job.append(f"training loss: {first:.3f} (mean of the first {window} steps) -> {last:.3f} (last {window})")
+    job.append(f"skipped steps (fp16 overflow): {int(getattr(engine, 'skipped_steps', 0))}")
+    checked = {"model": result.validation, "baseline": result.baseline,
+               "what": "every scored token replaced by [MASK]" if config.model == "bert" else "next-token prediction"}
     saved = ", ".join(result.checkpoints) or "nothing new"
-    lines.append(f"checkpoints: {output_dir / 'checkpoints'} (this run saved {saved})")
-    lines.append(f"files: {output_dir / 'metrics.csv'}, {output_dir / 'loss.png'}, {output_dir / 'summary.txt'}")
-    return "\n".join(lines) + "\n"
+    files = [f"checkpoints: {output_dir / 'checkpoints'} (this run saved {saved})",
+             f"files: {output_dir / 'metrics.csv'}, {output_dir / 'validation.csv'}, {output_dir / 'loss.png'}, "
+             f"{output_dir / 'summary.txt'}"]
+    summary = summary_text({"lines": job}, checked, _samples(config, engine.module, tokenizer, val_set, engine.device),
+                           memory, files)
+    (output_dir / "summary.txt").write_text(summary)
+    if output == "quiet":
+        model, baseline = result.validation, result.baseline
+        print(f"tachyon train: validation loss {model.loss:.3f} nats/token (perplexity {model.perplexity:.1f}), "
+              f"unigram baseline {baseline.loss:.3f} ({baseline.perplexity:.1f}); {output_dir / 'summary.txt'}",
+              flush=True)
+        return
+    print("\n" + final_table(metrics, validation) + "\n" + summary, end="", flush=True)

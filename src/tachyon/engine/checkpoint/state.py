@@ -12,7 +12,8 @@ elements (the flattened parameter, no padding):
     model/<state_dict key>         frozen parameters and buffers, written by rank 0
 
 Each rank contributes the pieces it owns as shards of a ShardedTensor with global offsets
-(``partition(rank)`` intersected with the parameter's range; stage 0, which holds everything
+(`ZeroStrategy.master_pieces`: the parameter's elements in the rank's partition, one or more
+pieces; stage 0, which holds everything
 on every rank, writes the same pieces, so the write is spread over the ranks too). No rank
 ever gathers a full parameter, so memory stays at one partition. On load each rank asks DCP
 for the pieces of its NEW partition (stages 1/2) or for the full tensors (stage 0, or one
@@ -87,15 +88,8 @@ def model_state_keys(engine) -> dict[str, dict[str, Any]]:
 def pieces_of(engine, rank: int, *, whole: bool = False) -> list[list[Piece]]:
     """Per slot: the pieces ``rank`` holds in its partition (``whole``: the full range, from
     the rank's full master: stage 0 or one process)."""
-    zero = engine.zero
-    out = []
-    for slot in zero.flat.slots:
-        region = zero.flat.regions[slot.group]
-        begin, end = (region.start, region.start + region.numel) if whole else region.partition(rank)
-        master_begin = zero.master_ranges[slot.group][0]
-        lo, hi = max(slot.offset, begin), min(slot.offset + slot.numel, end)
-        out.append([Piece(rank, lo - slot.offset, hi - slot.offset, lo - master_begin)] if lo < hi else [])
-    return out
+    return [[Piece(rank, lo, hi, at) for lo, hi, at in per_slot]
+            for per_slot in engine.zero.master_pieces(rank, whole=whole)]
 
 
 def _sharded(numel: int, dtype: torch.dtype, layout: list[list[Piece]], local: list[torch.Tensor], device,

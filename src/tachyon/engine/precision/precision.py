@@ -3,8 +3,8 @@
 Every precision answers the same questions:
 
 - ``model_dtype``: the dtype of the model's parameters and activations;
-- ``grad_accum_dtype``: the dtype gradients accumulate in across micro-batches (and are
-  reduced in, unless ``communication_data_type`` says otherwise);
+- ``grad_accum_dtype``: the dtype gradients accumulate in across micro-batches (they are
+  reduced in ``communication_data_type``, by default the model dtype, as in DeepSpeed);
 - ``needs_master_weights``: whether the optimizer steps fp32 copies of the weights (always
   true below fp32; the ZeRO strategy allocates them, flat and partitioned);
 - ``scale_loss(loss)`` before backward, ``unscale_and_check(grads, comm)`` on the fp32 master
@@ -12,10 +12,18 @@ Every precision answers the same questions:
   ``update(overflow)`` after it;
 - ``state_dict()`` / ``load_state_dict()`` for checkpoints.
 
-fp32: nothing to do. bf16: bf16 weights, fp32 masters, fp32 gradient accumulation by default
-(DeepSpeed's BF16 optimizer); bf16 has fp32's exponent range, so no loss scaling and no
-overflow check. fp16: fp16 weights, fp32 masters, fp16 gradient accumulation by default, and a
-static or dynamic loss scale; an inf/nan anywhere skips the step.
+fp32: nothing to do. bf16: bf16 weights, fp32 masters, bf16 gradient accumulation by default
+(DeepSpeed's default, ``data_types.grad_accum_dtype`` unset); bf16 has fp32's exponent range,
+so no loss scaling and no overflow check. fp16: fp16 weights, fp32 masters, fp16 gradient
+accumulation by default, and a static or dynamic loss scale; an inf/nan anywhere skips the step.
+
+Why bf16 accumulation is the bf16 default: with ZeRO 1/2 an fp32 accumulator is the one model
+state that a bf16 one halves (4*Psi/N instead of 2*Psi/N per rank; the optimizer step needs the
+fp32 master gradient either way), and measured per rank it put tachyon above DeepSpeed 0.19.8
+at stages 0, 1 and 2 (benchmarks/results/2026-11-25-cpu-zero-memory-default-config.md).
+``"data_types": {"grad_accum_dtype": "fp32"}`` keeps fp32 accumulation (more accurate with many
+micro-batches); at stages 1/2 it then reduces every micro-step, so no full-size fp32 gradient
+exists.
 """
 
 from __future__ import annotations
@@ -81,10 +89,13 @@ class FP32Precision(Precision):
 
 
 class BF16Precision(Precision):
-    """bf16 weights, fp32 masters; gradients accumulate in fp32 unless told otherwise."""
+    """bf16 weights, fp32 masters; gradients accumulate in bf16 unless told otherwise."""
 
     name = "bf16"
     model_dtype = torch.bfloat16
+
+    def default_grad_accum_dtype(self) -> torch.dtype:
+        return torch.bfloat16
 
 
 class FP16Precision(Precision):

@@ -1,12 +1,23 @@
-"""Gradient buckets: launch a reduction as soon as backward has produced a bucket's gradients.
+"""Gradient buckets: contiguous ranges of the flat buffer, reduced as soon as backward has
+produced their gradients.
 
-Backward produces gradients roughly in reverse parameter order, so buckets are cut from the
-flat layout back to front (within each param group, at most ``bucket_size`` elements each, a
-parameter larger than that alone in its bucket). Each bucket is one contiguous range of the
-flat buffer.
+Backward produces gradients roughly in reverse parameter order, so each param group's region is
+cut back to front: every bucket holds ``bucket_numel`` elements (rounded down to a multiple of
+the quantum, ``world_size * ALIGN``) except the region's lowest one, launched last, which holds
+the rest; a region smaller than one bucket is one bucket (buckets are sized from the model when
+it is the smaller). Cuts ignore parameter boundaries: a parameter larger than a bucket spans
+several, and a bucket may hold the tail of one parameter and the head of the next::
 
-Buckets are launched strictly in bucket order: bucket k goes when its own parameters and those
-of every bucket before it have reported. Every rank therefore issues the same collectives in
+    region:   [ p0 | p1 ......... | p2 | p3 ... | pad ]
+    buckets:  [  b3  |    b2    |    b1    |    b0    ]     (b0 launches first)
+
+Every bucket is a multiple of the quantum, so it splits into ``world_size`` equal chunks: chunk r
+of every bucket is rank r's to own (stages 1/2, `tachyon.engine.zero.shards`). One
+reduce-scatter per bucket delivers each owner its chunk, and one all-gather per bucket rebuilds
+the bucket from the chunks after the step.
+
+Buckets are launched strictly in bucket order: bucket k goes when every parameter overlapping it
+and every bucket before it have reported. Every rank therefore issues the same collectives in
 the same order even when autograd's hook order varies, which is what keeps gloo/NCCL from
 mismatching ops. Parameters that get no gradient in a backward (unused) never report; their
 buckets are flushed, in order, by `BucketScheduler.finish`.
@@ -18,44 +29,67 @@ import dataclasses
 from collections.abc import Callable
 
 from .comm import Pending
-from .layout import FlatParameters, GroupRegion, ParamSlot
+from .layout import ALIGN, FlatParameters, GroupRegion, ParamSlot
 
 
 @dataclasses.dataclass(eq=False)
 class Bucket:
+    """Flat-buffer range [begin, end) of one region; ``slots``: the parameters overlapping it."""
+
     index: int
+    """Launch order (0 goes first)."""
     region: GroupRegion
-    slots: list[ParamSlot]
     begin: int
-    """First flat-buffer offset covered."""
     end: int
+    slots: list[ParamSlot]
+    gaps: list[tuple[int, int]]
+    """Bucket-relative [lo, hi) ranges no parameter covers (the region's padding): zero."""
 
     @property
     def numel(self) -> int:
         return self.end - self.begin
 
+    def chunk(self, world_size: int) -> int:
+        """Elements per rank's chunk."""
+        return self.numel // world_size
 
-def cut_buckets(flat: FlatParameters, bucket_size: int) -> list[Bucket]:
-    """Buckets of at most ``bucket_size`` elements, back to front, never across param groups."""
+    def piece(self, slot: ParamSlot) -> tuple[int, int, int]:
+        """(bucket offset, parameter offset, length) of the part of ``slot`` inside this bucket."""
+        lo, hi = max(slot.offset, self.begin), min(slot.offset + slot.numel, self.end)
+        return lo - self.begin, lo - slot.offset, hi - lo
+
+
+def bucket_quantum(world_size: int) -> int:
+    """Every bucket (and region) is a multiple of this many elements."""
+    return world_size * ALIGN
+
+
+def cut_buckets(flat: FlatParameters, bucket_numel: int) -> list[Bucket]:
+    """Buckets of ``bucket_numel`` elements (rounded down to a multiple of the quantum, at least
+    one quantum), back to front, never across param groups; see the module docstring."""
+    quantum = bucket_quantum(flat.world_size)
+    size = max(quantum, int(bucket_numel) // quantum * quantum)
     buckets: list[Bucket] = []
     for region in reversed(flat.regions):
-        current: list[ParamSlot] = []
-        size = 0
-        for slot in reversed(region.slots):
-            if current and size + slot.numel > bucket_size:
-                buckets.append(_bucket(len(buckets), region, current))
-                current, size = [], 0
-            current.append(slot)
-            size += slot.numel
-        if current:
-            buckets.append(_bucket(len(buckets), region, current))
+        end = region.start + region.numel
+        while end > region.start:
+            begin = max(region.start, end - size)
+            buckets.append(_bucket(len(buckets), region, begin, end))
+            end = begin
     return buckets
 
 
-def _bucket(index: int, region: GroupRegion, slots: list[ParamSlot]) -> Bucket:
-    begin = min(s.offset for s in slots)
-    end = max(s.offset + s.numel for s in slots)
-    return Bucket(index, region, list(slots), begin, end)
+def _bucket(index: int, region: GroupRegion, begin: int, end: int) -> Bucket:
+    slots = [s for s in region.slots if s.offset < end and s.offset + s.numel > begin]
+    gaps, at = [], begin
+    for s in slots:  # slots are contiguous and in offset order within a region
+        lo = max(s.offset, begin)
+        if lo > at:
+            gaps.append((at - begin, lo - begin))
+        at = max(at, min(s.offset + s.numel, end))
+    if at < end:
+        gaps.append((at - begin, end - begin))
+    return Bucket(index, region, begin, end, slots, gaps)
 
 
 class BucketScheduler:
@@ -72,7 +106,10 @@ class BucketScheduler:
         self.buckets = buckets
         self._launch = launch
         self.overlap = overlap
-        self._bucket_of = {id(slot.param): b.index for b in buckets for slot in b.slots}
+        self._buckets_of: dict[int, list[int]] = {}
+        for b in buckets:
+            for slot in b.slots:
+                self._buckets_of.setdefault(id(slot.param), []).append(b.index)
         self._reported = [0] * len(buckets)
         self._next = 0
         self._in_flight: list[Pending] = []
@@ -86,8 +123,9 @@ class BucketScheduler:
         """Index of the next bucket to launch (== len(buckets) once all went)."""
         return self._next
 
-    def bucket_of(self, slot: ParamSlot) -> Bucket:
-        return self.buckets[self._bucket_of[id(slot.param)]]
+    def buckets_of(self, slot: ParamSlot) -> list[int]:
+        """Indices of the buckets ``slot`` overlaps, in launch order."""
+        return self._buckets_of.get(id(slot.param), [])
 
     def reset(self) -> None:
         self._reported = [0] * len(self.buckets)
@@ -96,8 +134,8 @@ class BucketScheduler:
 
     def report(self, slot: ParamSlot) -> None:
         """``slot``'s gradient is final for this backward; launch whatever became ready."""
-        index = self._bucket_of[id(slot.param)]
-        self._reported[index] += 1
+        for index in self._buckets_of.get(id(slot.param), ()):
+            self._reported[index] += 1
         while self._next < len(self.buckets) and self._reported[self._next] >= len(self.buckets[self._next].slots):
             self._launch_next()
 

@@ -10,7 +10,9 @@ torch.distributed. It wraps one process group and:
   group's timeout (a peer that died or is stuck shows up here instead of as a hang or an opaque
   gloo/NCCL message);
 - is the seam a gradient compressor (1-bit Adam) or a tensor-parallel layout can wrap later: the
-  strategies hand it flat contiguous buffers only.
+  strategies hand it flat contiguous buffers only: ``all_reduce`` (stage 0), ``reduce_scatter``
+  (one per gradient bucket, stages 1 and 2) and ``all_gather_into`` (one per bucket after the
+  step, stages 1 and 2).
 """
 
 from __future__ import annotations
@@ -84,9 +86,6 @@ class DataParallelComm:
         return pending
 
     # ------------------------------------------------------------------ collectives
-    def global_rank(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
-
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, *, async_op: bool = False, then=None) -> Pending:
         """In-place all-reduce of ``tensor`` (any dtype, contiguous)."""
         if not self.enabled:
@@ -98,25 +97,34 @@ class DataParallelComm:
             async_op,
         )
 
-    def reduce(self, tensor: torch.Tensor, dst_group_rank: int, *, async_op: bool = False, then=None) -> Pending:
-        """SUM-reduce ``tensor`` into group rank ``dst_group_rank`` (others keep garbage)."""
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, *, async_op: bool = False,
+                       then=None) -> Pending:
+        """SUM reduce-scatter: ``tensor`` [world_size * c] holds one chunk of c elements per rank;
+        rank r's ``output`` [c] receives the sum of every rank's chunk r. ``output`` may be
+        ``tensor``'s own chunk (in place; gloo and NCCL both allow it)."""
         if not self.enabled:
-            return Pending(self, "reduce", None, then) if async_op else _done(then)
-        dst = self.global_rank(dst_group_rank)
+            if output.data_ptr() != tensor.data_ptr():
+                output.copy_(tensor)
+            return Pending(self, "reduce_scatter", None, then) if async_op else _done(then)
+        collective = getattr(dist, _REDUCE_SCATTER)
         return self._run(
-            "reduce",
-            lambda: dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+            "reduce_scatter",
+            lambda: collective(output, tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
             then,
             async_op,
         )
 
-    def all_gather(self, outputs: list[torch.Tensor], *, async_op: bool = False) -> Pending:
-        """All-gather in place: ``outputs[r]`` is rank r's piece; this rank's piece is the input."""
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, *, async_op: bool = False) -> Pending:
+        """All-gather into one tensor: ``output`` [world_size * c] receives every rank's ``tensor``
+        [c] in rank order. ``tensor`` may be ``output``'s own chunk (in place)."""
         if not self.enabled:
+            if output.data_ptr() != tensor.data_ptr():
+                output.copy_(tensor)
             return Pending(self, "all_gather", None)
+        collective = getattr(dist, _ALL_GATHER)
         return self._run(
             "all_gather",
-            lambda: dist.all_gather(outputs, outputs[self.rank], group=self.group, async_op=True),
+            lambda: collective(output, tensor, group=self.group, async_op=True),
             None,
             async_op,
         )
@@ -131,6 +139,13 @@ class DataParallelComm:
         """SUM all-reduce in place over the group; returns ``tensor``."""
         self.all_reduce(tensor)
         return tensor
+
+
+# torch 2.13 renamed the one-tensor collectives (the old names warn); both exist from torch 2.4 on
+# under one name or the other. Looked up by name at call time, so a wrapper installed on
+# torch.distributed (tests/engine/test_zero_distributed.py counts bytes that way) sees every call.
+_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
 
 def _done(then) -> Pending:

@@ -1,14 +1,14 @@
 """The flat layout: every trained parameter becomes a view into one flat buffer.
 
-ZeRO partitions are flat slices, so the model's trainable parameters (all in the model dtype)
-are copied into one contiguous 1-D buffer and each ``param.data`` is re-pointed to its slice
+ZeRO partitions are made of flat slices, so the model's trainable parameters (all in the model
+dtype) are copied into one contiguous 1-D buffer and each ``param.data`` is re-pointed to its slice
 (the parameter objects, hence the user's references and module attributes, stay the same).
 
 Optimizer param groups map to consecutive regions of the buffer::
 
     buffer: [ group 0: p0 p1 p2 pad | group 1: p3 p4 pad ]
-    region g is padded to a multiple of world_size * ALIGN elements and split into world_size
-    equal partitions; rank r owns [start_g + r * part_g, start_g + (r + 1) * part_g).
+    region g is padded to a multiple of world_size * ALIGN elements; each rank owns part_g =
+    numel_g / world_size of them (which ones: `tachyon.engine.zero.shards`).
 
 Padding elements are zero and stay zero (their gradients are zero). Parameters that do not
 require grad are left out (not trained, not communicated).
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 ALIGN = 8
-"""Partitions start at multiples of ALIGN elements (16-byte aligned for 2-byte dtypes)."""
+"""Every rank's chunk of a bucket holds a multiple of ALIGN elements, so chunks start 16-byte
+aligned for 2-byte dtypes (regions and buckets are multiples of world_size * ALIGN)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -52,23 +53,8 @@ class GroupRegion:
 
     @property
     def part(self) -> int:
+        """Elements of this region each rank owns."""
         return self.numel // self.world_size
-
-    def partition(self, rank: int) -> tuple[int, int]:
-        """[begin, end) of rank's partition, in whole-buffer offsets."""
-        begin = self.start + rank * self.part
-        return begin, begin + self.part
-
-    def segments(self, begin: int, end: int) -> torch.Tensor:
-        """int64 [n_seg, 3] rows (start, length, segment_id) of the parameters that overlap the
-        buffer range [begin, end); start is relative to ``begin``, segment_id is the
-        parameter's index in its group (so segment ids agree across ranks)."""
-        rows = []
-        for slot in self.slots:
-            lo, hi = max(slot.offset, begin), min(slot.offset + slot.numel, end)
-            if lo < hi:
-                rows.append((lo - begin, hi - lo, slot.index_in_group))
-        return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
 
 
 class FlatParameters:

@@ -29,6 +29,15 @@ each training forward, except a forward run during backward (an activation-check
 recompute reuses the masks of the last forward). Seed and counter are in the state_dict
 (``_extra_state``), so restoring a checkpoint continues the same dropout streams.
 
+Progressive layer drop (pre-LN only): ``forward(..., progressive_layer_drop=True, pld_theta=t)``,
+as DeepSpeed's engine passes it, keeps layer ``layer_number`` (1-based) of ``num_layers``
+(default ``config.num_hidden_layers``) with probability p = 1 - (layer_number / num_layers) *
+(1 - t) in training; a dropped layer returns its input, a kept one divides both residual
+branches by p (see `tachyon.nn.transformer_layer.pld_keep_probability`)::
+
+    z1  = x + (dropout(attention(LN_in(x)) @ Wo + bo)) / p
+    out = z1 + (dropout(gelu(LN_attn(z1) @ Wi + bi) @ Wout + bout)) / p
+
 The counter and the (seed, layer_id) hash prefix live in int64 buffers on the layer's device
 (non-persistent: the state_dict keeps ``_extra_state``); the counter is advanced in place by a
 small custom op and the three seeds are computed from it with tensor ops, passed to the kernels
@@ -50,6 +59,7 @@ from torch import Tensor, nn
 
 from tachyon.nn.transformer_kernel import _kernels as K
 from tachyon.nn.transformer_kernel.config import TransformerKernelConfig
+from tachyon.nn.transformer_layer import pld_draw_keep, pld_keep_probability
 
 # dropout sites of one forward
 _SITE_ATTN_PROBS, _SITE_ATTN_OUT, _SITE_FFN_OUT = 0, 1, 2
@@ -135,6 +145,10 @@ class TransformerKernelLayer(nn.Module):
 
     ``backend`` ("auto", "triton", "torch" or None = the global choice) pins the kernels'
     backend for this layer.
+
+    ``layer_number`` (1-based position in the stack, default None) and ``num_layers`` (default
+    ``config.num_hidden_layers``) place the layer for progressive layer drop; set
+    ``layer_number`` on each layer of a stack before training with PLD.
     """
 
     layer_id = 0
@@ -150,6 +164,8 @@ class TransformerKernelLayer(nn.Module):
             torch.cuda.set_device(config.local_rank)
         self.backend = backend
         self.hf_config = None  # the HF BertConfig of from_hf, used by to_hf
+        self.layer_number: int | None = None  # progressive layer drop: 1-based position in the stack
+        self.num_layers: int = config.num_hidden_layers
         h, i, dtype = config.hidden_size, config.intermediate_size, config.dtype
         w_shapes = [(h, h), (h, h), (h, h), (h, h), (h,), (i, h), (h, i), (h,)]
         b_shapes = [(h,), (h,), (h,), (h,), (h,), (i,), (h,), (h,)]
@@ -238,7 +254,8 @@ class TransformerKernelLayer(nn.Module):
 
     # --- forward -----------------------------------------------------------------------------
 
-    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, *args: Any, **kwargs: Any):
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, *args: Any,
+                progressive_layer_drop: bool = False, pld_theta: float | None = None, **kwargs: Any):
         """hidden_states [batch, seq, hidden] in the config's dtype -> the same shape and dtype
         (``(out,)`` with ``return_tuple``).
 
@@ -256,18 +273,34 @@ class TransformerKernelLayer(nn.Module):
         the forward runs under ``torch.no_grad()``, so nothing is saved for backward and the output
         does not require grad (DeepSpeed's inference behaviour). For gradients without dropout,
         keep ``train()`` and set the dropout ratios to 0.
+
+        progressive_layer_drop, pld_theta: progressive layer drop (module docstring; pre-LN only,
+        ignored when not training). A dropped layer returns ``hidden_states`` itself and does not
+        advance the dropout counter.
         """
         _check_extra_args(args, kwargs)
         x = hidden_states
         self._check_input(x)
+        keep = pld_keep_probability("TransformerKernelLayer", progressive_layer_drop, pld_theta, self.layer_number,
+                                    self.num_layers)
+        if keep is not None and not self.config.pre_layer_norm:
+            raise ValueError(
+                "TransformerKernelLayer: progressive layer drop needs pre_layer_norm=True (DeepSpeed's pre-LN BERT); "
+                "a post-LN layer normalizes its residual, so skipping it is not the identity PLD assumes"
+            )
         batch, seq, _ = x.shape
         bias = key_padding_bias(attention_mask, batch, seq, x.device)
         active = self.config.training and self.training
+        scale = 1.0
+        if keep is not None and active:
+            if not pld_draw_keep(keep):
+                return (x,) if self.config.return_tuple else x
+            scale = 1.0 / keep
         if active:
             # advance the counter (not in a recompute during backward) and derive the three seeds,
             # 0-dim int64 tensors indexed by _SITE_ATTN_PROBS, _SITE_ATTN_OUT, _SITE_FFN_OUT
             seeds = K.next_dropout_seeds(self._dropout_key, self._dropout_calls, backend=self.backend).unbind(0)
-            out = self._forward(x, bias, True, seeds)
+            out = self._forward(x, bias, True, seeds, scale)
         else:
             with torch.no_grad():
                 out = self._forward(x, bias, False, [0, 0, 0])
@@ -307,7 +340,9 @@ class TransformerKernelLayer(nn.Module):
                           deterministic=not c.stochastic_mode, backend=self.backend)
         return ctx.transpose(1, 2).reshape(batch, seq, hidden)
 
-    def _forward(self, x: Tensor, bias: Tensor | None, active: bool, seeds: list[int] | list[Tensor]) -> Tensor:
+    def _forward(self, x: Tensor, bias: Tensor | None, active: bool, seeds: list[int] | list[Tensor],
+                 scale: float = 1.0) -> Tensor:
+        """``scale``: progressive layer drop's 1 / p on both residual branches (pre-LN only)."""
         c = self.config
         p_attn = c.attn_dropout_ratio if active else 0.0
         p_hidden = c.hidden_dropout_ratio if active else 0.0
@@ -319,13 +354,18 @@ class TransformerKernelLayer(nn.Module):
                                                     use_reentrant=False, preserve_rng_state=False)
         else:
             ctx = self._attention(x, bias, p_attn, seeds[_SITE_ATTN_PROBS])
-        a = F.linear(ctx, self.attn_ow)
-        y1, z1 = K.bias_dropout_add_layer_norm(a, self.attn_ob, x, self.attn_nw, self.attn_nb, eps, p_hidden,
+        a, attn_ob = F.linear(ctx, self.attn_ow), self.attn_ob
+        if scale != 1.0:
+            a, attn_ob = a * scale, attn_ob * scale
+        y1, z1 = K.bias_dropout_add_layer_norm(a, attn_ob, x, self.attn_nw, self.attn_nb, eps, p_hidden,
                                                seeds[_SITE_ATTN_OUT], training=active, invertible=inv, backend=be)
         f = K.bias_act_linear(F.linear(y1, self.inter_w), self.inter_b, "gelu", self.output_w, None,
                               checkpoint_activation=c.gelu_checkpoint, backend=be)
         if c.pre_layer_norm:
-            return K.bias_dropout_add(f, self.output_b, z1, p_hidden, seeds[_SITE_FFN_OUT], training=active, backend=be)
+            output_b = self.output_b
+            if scale != 1.0:
+                f, output_b = f * scale, output_b * scale
+            return K.bias_dropout_add(f, output_b, z1, p_hidden, seeds[_SITE_FFN_OUT], training=active, backend=be)
         out, _ = K.bias_dropout_add_layer_norm(f, self.output_b, y1, self.norm_w, self.norm_b, eps, p_hidden,
                                                seeds[_SITE_FFN_OUT], training=active, invertible=inv, backend=be)
         return out

@@ -1,0 +1,24 @@
+"""``deepspeed.ops``: the fused kernels' Python side (transformer layer, Adam, LAMB), from tachyon."""
+
+from __future__ import annotations
+
+import importlib
+
+from tachyon.compat._names import module_getattr, unsupported
+
+_SUBMODULES = ("adam", "lamb", "transformer")
+_TABLE = {
+    "sparse_attention": unsupported("block-sparse attention is not implemented by tachyon (its attention is "
+                                    "dense flash attention: tachyon.nn.DotProductAttention)"),
+    "deepspeed4science": unsupported("DeepSpeed4Science kernels are not implemented by tachyon"),
+}
+_lookup = module_getattr(__name__, "deepspeed.ops", _TABLE, lambda: list(_SUBMODULES))
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    return _lookup(name)
+
+
+__all__ = list(_SUBMODULES)

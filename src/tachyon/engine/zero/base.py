@@ -1,0 +1,292 @@
+"""`ZeroStrategy`: what ZeRO stages 0, 1 and 2 share (the flat layout, buckets, fp32 masters,
+the optimizer's param groups, the step and the memory breakdown). The stages and their data
+flow: `tachyon.engine.zero.stages`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .buckets import Bucket, BucketScheduler, cut_buckets
+from .comm import DataParallelComm, Pending
+from .layout import FlatParameters, GroupRegion
+from .shards import Shards
+
+_OWNER: dict[int, weakref.ref] = {}
+"""id(parameter) -> (weak reference to) the strategy whose hooks it carries: a model given to
+initialize() twice must not keep feeding the first engine's buffers. A live strategy holds its
+parameters, so an id cannot be reused while its entry is alive."""
+
+
+class ZeroStrategy:
+    """Base of the three stages. See `tachyon.engine.zero.stages` for the data flow.
+
+    Args:
+        param_groups: torch-optimizer-style groups over the model's parameters (model dtype).
+        model_dtype, grad_accum_dtype: from the precision object.
+        comm: the data-parallel collectives.
+        device: where the buffers live.
+        reduce_bucket_size: elements per gradient bucket (DeepSpeed's key); a bucket buffer never
+            holds more bytes than this many model-dtype elements, so with a wider ``comm_dtype``
+            a bucket holds fewer elements.
+        allgather_bucket_size: accepted for DeepSpeed configs; the all-gather needs no buffer.
+        overlap_comm: keep bucket reductions in flight during backward (two bucket buffers).
+        comm_dtype: dtype gradients are reduced in (None: the model dtype, DeepSpeed's default).
+        gradient_predivide_factor, prescale_gradients: see `tachyon.engine.zero.stages`.
+    """
+
+    stage: int = -1
+    partitioned_masters: bool = False
+
+    def __init__(
+        self,
+        param_groups: list[dict],
+        *,
+        model_dtype: torch.dtype,
+        grad_accum_dtype: torch.dtype,
+        comm: DataParallelComm,
+        device: torch.device,
+        reduce_bucket_size: int = 500_000_000,
+        allgather_bucket_size: int = 500_000_000,
+        overlap_comm: bool = False,
+        comm_dtype: torch.dtype | None = None,
+        gradient_predivide_factor: float = 1.0,
+        prescale_gradients: bool = False,
+    ):
+        for name, value in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"zero_optimization.{name} should be a positive number of elements; got {value!r}")
+        self.comm = comm
+        self.world_size, self.rank = comm.world_size, comm.rank
+        self.model_dtype, self.grad_accum_dtype = model_dtype, grad_accum_dtype
+        self.comm_dtype = comm_dtype or model_dtype
+        self.allgather_bucket_size = allgather_bucket_size
+        self.pre_divide = float(self.world_size) if prescale_gradients else float(gradient_predivide_factor)
+        self.post_divide = self.world_size / self.pre_divide
+        self.flat = FlatParameters(param_groups, model_dtype, device, self.world_size)
+        self.bucket_numel = max(1, reduce_bucket_size * model_dtype.itemsize // self.comm_dtype.itemsize)
+        buckets = cut_buckets(self.flat, self.bucket_numel)
+        self.shards = Shards(self.flat, buckets)
+        self.buckets = BucketScheduler(buckets, self._launch, overlap_comm)
+        self._master_alias = [self._can_alias(region) for region in self.flat.regions]
+        self.masters = [self._make_master(region) for region in self.flat.regions]
+        self._accumulator: torch.Tensor | None = None
+        self._slot_of = {id(slot.param): slot for slot in self.flat.slots}
+        self._reducing = False
+        for key in [k for k, ref in _OWNER.items() if ref() is None]:  # engines gone since
+            del _OWNER[key]
+        for slot in self.flat.slots:
+            ref = _OWNER.get(id(slot.param))
+            previous = ref() if ref is not None else None
+            if previous is not None and previous is not self:
+                previous.release()
+            _OWNER[id(slot.param)] = weakref.ref(self)
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad) for slot in self.flat.slots]
+
+    def release(self) -> None:
+        """Remove this strategy's gradient hooks (the parameters stay views of its buffer)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ masters
+    def _master_start(self, region: GroupRegion) -> int | None:
+        """Flat offset where this rank's master of ``region`` is a contiguous range (None: not)."""
+        if not self.partitioned_masters:
+            return region.start
+        return self.shards.contiguous_start(region, self.rank)
+
+    def _can_alias(self, region: GroupRegion) -> bool:
+        return self.model_dtype == torch.float32 and self._master_start(region) is not None
+
+    def _master_numel(self, region: GroupRegion) -> int:
+        return region.part if self.partitioned_masters else region.numel
+
+    def _make_master(self, region: GroupRegion) -> torch.Tensor:
+        numel = self._master_numel(region)
+        if self._master_alias[region.index]:
+            master = self.flat.buffer.narrow(0, self._master_start(region), numel).detach()
+        elif self.partitioned_masters:
+            master = torch.empty(numel, dtype=torch.float32, device=self.flat.buffer.device)
+            self.shards.flat_to_partition(self.flat.buffer, master, region, self.rank)
+        else:
+            master = self.flat.buffer.narrow(0, region.start, numel).detach().to(torch.float32, copy=True)
+        return master.requires_grad_(True)
+
+    def optimizer_param_groups(self, *, with_segments: bool = True) -> list[dict]:
+        """One group per region: ``params = [flat fp32 master]``, the original hyperparameters,
+        and (``with_segments``) ``segments`` (int64 [n_seg, 3]: start, length, parameter index) /
+        ``num_segments`` describing which original parameters the master holds (LAMB's
+        per-parameter norms; 24 bytes per parameter piece, which other optimizers can do without)."""
+        groups = []
+        for region, master in zip(self.flat.regions, self.masters):
+            group = dict(region.options)
+            group["params"] = [master]
+            if not with_segments:
+                groups.append(group)
+                continue
+            if self.partitioned_masters:
+                segments = self.shards.segments(region, self.rank)
+            else:
+                rows = [(s.offset - region.start, s.numel, s.index_in_group) for s in region.slots if s.numel]
+                segments = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
+            group["segments"] = segments.to(master.device)
+            group["num_segments"] = len(region.slots)
+            groups.append(group)
+        return groups
+
+    def master_pieces(self, rank: int, *, whole: bool = False) -> list[list[tuple[int, int, int]]]:
+        """Per slot (``flat.slots`` order): the parameter's elements in ``rank``'s master as
+        (lo, hi, master offset), lo/hi parameter-relative. ``whole``: every element (stage 0, or
+        one process, where the master is the whole region). Otherwise ``rank``'s share: its
+        partition at stages 1/2; at stage 0, where every rank holds everything, the same split
+        (so a checkpoint writes each element once), with offsets into the whole master."""
+        if whole and self.partitioned_masters and self.world_size > 1:
+            raise ValueError(f"stage {self.stage} on {self.world_size} ranks holds partitions; whole=True needs stage 0 or one rank")
+        out = []
+        for slot in self.flat.slots:
+            if whole:
+                start = self.flat.regions[slot.group].start
+                out.append([(0, slot.numel, slot.offset - start)] if slot.numel else [])
+            elif self.partitioned_masters:
+                out.append(self.shards.partition_pieces(slot, rank))
+            else:
+                out.append(self.shards.region_pieces(slot, rank))
+        return out
+
+    def norm_reducer(self, tensor: torch.Tensor) -> torch.Tensor:
+        """SUM all-reduce of a fp32 tensor over the ranks that share a parameter's pieces."""
+        if self.partitioned_masters:
+            self.comm.sum_(tensor)
+        return tensor
+
+    # ------------------------------------------------------------------ backward
+    def begin_backward(self, boundary: bool) -> None:
+        """Called before ``loss.backward()``; ``boundary``: last micro-step of the batch."""
+        self._reducing = self._reduces(boundary)
+        self.buckets.reset()
+
+    def end_backward(self) -> None:
+        """Called after ``loss.backward()``: flush unlaunched buckets and wait for all."""
+        if self._reducing:
+            self.buckets.finish()
+        self._reducing = False
+
+    def _reduces(self, boundary: bool) -> bool:
+        return boundary
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _launch(self, bucket: Bucket) -> list[Pending]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ accumulator
+    def _accumulator_numel(self) -> int:
+        raise NotImplementedError
+
+    def _accumulator_views(self, acc: torch.Tensor) -> list[torch.Tensor]:
+        """Per region, the part of ``acc`` laid out like that region's master."""
+        raise NotImplementedError
+
+    def accumulator(self) -> torch.Tensor:
+        """The gradient accumulator (``grad_accum_dtype``), allocated (zeros) on first use."""
+        if self._accumulator is None:
+            self._accumulator = torch.zeros(self._accumulator_numel(), dtype=self.grad_accum_dtype,
+                                            device=self.flat.buffer.device)
+        return self._accumulator
+
+    # ------------------------------------------------------------------ step
+    def master_grads(self) -> list[torch.Tensor]:
+        """Sets and returns ``master.grad`` (fp32, same shape as the master) for every group,
+        from the reduced (averaged) gradients. Call after the boundary backward. An fp32
+        accumulator is the master gradient itself; any other is converted and then freed, so
+        the optimizer step holds one copy of the gradient partition."""
+        acc = self.accumulator()
+        grads = []
+        for master, view in zip(self.masters, self._accumulator_views(acc)):
+            master.grad = view if view.dtype == torch.float32 else view.to(torch.float32)
+            grads.append(master.grad)
+        if acc.dtype != torch.float32:
+            self._accumulator = None
+        return grads
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The global L2 norm of the averaged gradient (a 0-dim fp32 tensor): local squared
+        norms, SUM all-reduced over the ranks when masters are partitioned."""
+        device = self.flat.buffer.device
+        squares = [torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads]
+        total = torch.stack(squares).sum().reshape(1) if squares else torch.zeros(1, device=device)
+        self.norm_reducer(total)
+        return total.sqrt().reshape(())
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Write the updated masters into the model buffer and all-gather the partitions."""
+        for region, master, alias in zip(self.flat.regions, self.masters, self._master_alias):
+            if alias:
+                continue
+            if self.partitioned_masters:
+                self.shards.partition_to_flat(master, self.flat.buffer, region, self.rank)
+            else:
+                self.flat.buffer.narrow(0, region.start, region.numel).copy_(master)
+        if self.partitioned_masters and self.world_size > 1:
+            self._all_gather()
+
+    def _all_gather(self) -> None:
+        """One in-place ``all_gather_into`` per bucket: every rank's chunk into the model buffer."""
+        pending = []
+        for bucket in self.buckets.buckets:
+            out = self.flat.buffer.narrow(0, bucket.begin, bucket.numel)
+            c = bucket.chunk(self.world_size)
+            pending.append(self.comm.all_gather_into(out, out.narrow(0, self.rank * c, c), async_op=True))
+        for p in pending:
+            p.wait()
+
+    def zero_grad(self) -> None:
+        """Drop the accumulator, the master gradients and any ``param.grad`` (after a step, taken
+        or skipped); the next reduction allocates a fresh accumulator."""
+        for master in self.masters:
+            master.grad = None
+        self._accumulator = None
+        for slot in self.flat.slots:
+            slot.param.grad = None
+
+    def _bucket_buffers(self) -> list[torch.Tensor]:
+        return []
+
+    # ------------------------------------------------------------------ memory
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+        """Bytes this rank holds now, from the tensors actually allocated (each storage once).
+
+        parameters: the flat model buffer plus frozen parameters; gradients: the accumulator,
+        any live ``param.grad`` and fp32 master gradients that are not the accumulator itself;
+        master_weights: fp32 masters that do not alias the model; optimizer_states: tensors in
+        the optimizer state of the masters; buckets: bucket buffers alive now (only during a
+        reducing backward). ``model_states`` is the sum of the first four.
+        """
+        seen: set[int] = set()
+
+        def nbytes(tensors) -> int:
+            total = 0
+            for t in tensors:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen and storage.nbytes():
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+            return total
+
+        params = nbytes([self.flat.buffer, *self.flat.frozen])
+        masters = nbytes(m for m in self.masters)
+        grads = nbytes([t for t in [self._accumulator] if t is not None]
+                       + [s.param.grad for s in self.flat.slots if s.param.grad is not None]
+                       + [m.grad for m in self.masters if m.grad is not None])
+        states = 0
+        if optimizer is not None:
+            states = nbytes(v for m in self.masters for v in optimizer.state.get(m, {}).values() if torch.is_tensor(v))
+        out = {"parameters": params, "gradients": grads, "master_weights": masters, "optimizer_states": states}
+        out["model_states"] = sum(out.values())
+        out["buckets"] = nbytes(self._bucket_buffers())
+        return out

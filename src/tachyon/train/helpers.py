@@ -1,0 +1,113 @@
+"""Pieces of the ``tachyon train`` loop that do not decide anything: ranks and threads, the
+per-rank data order and seeds, checkpoints by step, memory per rank."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from tachyon.data import collate
+
+__all__ = ["Checkpointer", "epoch_loader", "mean_over_ranks", "memory_per_rank", "or_nan", "rank_and_world",
+           "rank_seed", "reseed_kernel_dropout", "set_threads"]
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """Each rank's dropout seed: ranks see different data, so they draw different masks."""
+    return (seed * 1_000_003 + rank) % 2**62
+
+
+def reseed_kernel_dropout(model: torch.nn.Module, seed: int) -> None:
+    """Give the fused BERT layers this rank's dropout seed again after a checkpoint load (the
+    checkpoint holds one rank's seeds); their forward counters stay as loaded."""
+    for module in model.modules():
+        if hasattr(module, "dropout_seed") and hasattr(module, "dropout_calls"):
+            module.dropout_seed = seed
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise mean of ``values`` over the data-parallel ranks (the values themselves alone)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return (tensor / dist.get_world_size()).tolist()
+
+
+def set_threads(threads_per_process: int | None, world: int) -> None:
+    """torch intra-op threads on CPU: ``threads_per_process``, else the cores shared by the local ranks."""
+    if torch.cuda.is_available():
+        return
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    torch.set_num_threads(threads_per_process or max(1, (os.cpu_count() or 1) // max(local_world, 1)))
+
+
+def epoch_loader(dataset: Any, sampler: Any, epoch: int, skip_batches: int, micro_batch: int) -> DataLoader:
+    """This rank's micro-batches of ``epoch``, starting after the first ``skip_batches``."""
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    if hasattr(dataset, "set_epoch"):
+        dataset.set_epoch(epoch)  # fresh masked-LM masks per epoch
+    indices = list(sampler)[skip_batches * micro_batch:]
+    return DataLoader(dataset, batch_size=micro_batch, sampler=indices, collate_fn=collate)
+
+
+def or_nan(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+class Checkpointer:
+    """engine.save_checkpoint / load_checkpoint into ``directory``, each tag saved once."""
+
+    def __init__(self, engine: Any, directory: Path) -> None:
+        self.engine, self.directory = engine, directory
+        self.saved: list[str] = []
+
+    def save(self, step: int, client_state: dict[str, Any]) -> None:
+        tag = f"global_step{step}"
+        if tag in self.saved:
+            return
+        self.engine.save_checkpoint(str(self.directory), tag=tag, client_state=client_state)
+        self.saved.append(tag)
+
+    def load(self) -> dict[str, Any] | None:
+        """The client state of the latest checkpoint, or None when there is none to load."""
+        if not self.directory.is_dir():
+            return None
+        path, client_state = self.engine.load_checkpoint(str(self.directory))
+        if path is None:
+            return None
+        return dict(client_state or {})
+
+
+def memory_per_rank(engine: Any, device: torch.device) -> list[dict[str, float]]:
+    """Every rank's engine.memory_breakdown() (bytes) plus its peak memory, gathered on all ranks."""
+    mine = {k: float(v) for k, v in engine.memory_breakdown().items()}
+    if device.type == "cuda":
+        mine["peak_allocated"] = float(torch.cuda.max_memory_allocated(device))
+    else:
+        try:
+            import resource  # POSIX only
+        except ImportError:
+            resource = None
+        if resource is not None:  # ru_maxrss is KiB on Linux, bytes on macOS
+            scale = 1 if sys.platform == "darwin" else 1024
+            mine["peak_rss"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        return gathered
+    return [mine]

@@ -1,0 +1,93 @@
+"""What a ``tachyon train`` run writes and prints at its end: metrics.csv (one row per step),
+validation.csv (one row per evaluation), the final table and summary.txt.
+
+The table has one row per evaluation (every ``eval_interval`` steps and the last step): the
+training loss averaged over the steps since the previous row, the validation loss and
+perplexity, the learning rate and tokens/s. summary.txt says what was trained and how, then the
+result: the validation loss against the unigram baseline (nats and perplexity), top-1 accuracy,
+and the fill-mask predictions (BERT) or generated lines (GPT).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["METRIC_COLUMNS", "VALIDATION_COLUMNS", "final_table", "read_metrics", "summary_text", "write_rows"]
+
+METRIC_COLUMNS = ("step", "loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s", "step_time_s")
+VALIDATION_COLUMNS = ("step", "loss", "accuracy", "baseline_loss", "baseline_accuracy")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, float]]:
+    """The rows of a metrics.csv or validation.csv as dicts of floats (``step`` as int)."""
+    with Path(path).open(newline="") as handle:
+        return [{k: (int(v) if k == "step" else float(v)) for k, v in row.items()} for row in csv.DictReader(handle)]
+
+
+def write_rows(path: Path, rows: list[dict[str, float]], first_step: int,
+               columns: tuple[str, ...]) -> list[dict[str, float]]:
+    """Append ``rows`` to the CSV at ``path``, dropping earlier rows at or after ``first_step`` (a
+    run that resumed from an older checkpoint replaces them); returns the whole table."""
+    previous = [r for r in read_metrics(path) if r["step"] < first_step] if path.is_file() else []
+    table = previous + rows
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        for row in table:
+            writer.writerow({k: (row[k] if k == "step" else f"{row[k]:.6g}") for k in columns})
+    return table
+
+
+def _mean(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def final_table(metrics: list[dict[str, float]], validation: list[dict[str, float]]) -> str:
+    """One line per evaluation: step, mean training loss since the previous row, validation loss
+    and perplexity, learning rate and mean tokens/s (see the module docstring)."""
+    header = f"{'step':>6}  {'train loss':>10}  {'val loss':>8}  {'val ppl':>8}  {'lr':>9}  {'tokens/s':>9}"
+    lines = [header, "-" * len(header)]
+    previous = 0
+    for row in validation:
+        step = int(row["step"])
+        window = [m for m in metrics if previous < m["step"] <= step]
+        previous = step
+        lr = window[-1]["lr"] if window else math.nan
+        lines.append(f"{step:>6}  {_mean([m['loss'] for m in window]):>10.3f}  {row['loss']:>8.3f}  "
+                     f"{math.exp(row['loss']):>8.1f}  {lr:>9.2e}  {_mean([m['tokens_per_s'] for m in window]):>9.0f}")
+    return "\n".join(lines) + "\n"
+
+
+def _mib(value: float) -> str:
+    return f"{value / 2**20:.1f}"
+
+
+def summary_text(job: dict[str, Any], validation: dict[str, Any] | None, samples: list[str],
+                 memory: list[dict[str, float]], files: list[str]) -> str:
+    """summary.txt: ``job`` (lines describing the run, already formatted), the validation result
+    (model and baseline :class:`~tachyon.train.evaluate.Evaluation`, the split's name), the
+    fill-mask / generation lines, memory per rank and the files written."""
+    lines = list(job["lines"])
+    if validation is not None:
+        model, baseline = validation["model"], validation["baseline"]
+        gap = baseline.loss - model.loss
+        verdict = "below" if gap > 0 else "ABOVE"
+        lines += [
+            f"validation ({validation['what']}, {model.tokens} scored tokens):",
+            f"  model            {model.loss:.3f} nats/token, perplexity {model.perplexity:7.1f}, "
+            f"top-1 accuracy {100 * model.accuracy:4.1f} %",
+            f"  unigram baseline {baseline.loss:.3f} nats/token, perplexity {baseline.perplexity:7.1f}, "
+            f"top-1 accuracy {100 * baseline.accuracy:4.1f} %   (token frequencies alone, no context)",
+            f"  the model is {abs(gap):.3f} nats/token {verdict} the baseline "
+            f"(perplexity {baseline.perplexity / model.perplexity:.2f}x {'lower' if gap > 0 else 'higher'})",
+        ]
+    lines += samples
+    lines.append("memory per rank (MiB):")
+    for rank, entry in enumerate(memory):
+        lines.append(f"  rank {rank}: " + ", ".join(f"{k} {_mib(v)}" for k, v in entry.items()))
+    lines += files
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,116 @@
+"""Weight-only INT8 linear: the Triton kernel (interpreted on CPU, native on GPU) and the torch path
+against the fp64 reference on the dequantized weight; per-channel, group-wise and DeepSpeed
+q_groups scales; split-K; the quantizer's error bound and round trip; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tachyon.kernels.int8_linear import (
+    dequantize, fake_quantize, int8_linear, int8_linear_reference, quantize_symmetric, scale_group_size,
+)
+from tests.utils import assert_close, assert_close_to_reference
+
+GPU = [pytest.param("cuda", dt, marks=pytest.mark.gpu) for dt in (torch.float32, torch.float16, torch.bfloat16)]
+CPU = [("cpu", torch.float32), ("cpu", torch.float16)]
+# (rows M, out N, in K, group_size, split_k): decode rows (1-16), a prefill tile, odd sizes
+SHAPES = [(1, 37, 64, None, None), (3, 50, 96, 32, 2), (5, 17, 200, None, 3), (20, 33, 128, 64, None)]
+
+
+def _case(m, n, k, group_size, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    q, scales = quantize_symmetric(w, 8, group_size=group_size)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    bias = torch.randn(n, generator=g).to(device, dtype)
+    return x, q.to(device), scales.to(device), bias, w
+
+
+@pytest.mark.parametrize("device,dtype", CPU + GPU)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_fp64_reference(device, dtype, backend, shape):
+    m, n, k, group_size, split_k = shape
+    x, q, scales, bias, _ = _case(m, n, k, group_size, dtype, device)
+    out = int8_linear(x, q, scales, bias, split_k=split_k, backend=backend)
+    oracle = int8_linear_reference(x.double(), q, scales, bias.double())
+    assert out.dtype == dtype and out.shape == (m, n)
+    if dtype == torch.float32:
+        assert_close(out, oracle.float(), name="out")
+    else:  # plain PyTorch in the same dtype: F.linear with the dequantized weight in that dtype
+        lowp = F.linear(x, dequantize(q, scales).to(dtype), bias)
+        assert_close_to_reference(out, lowp, oracle, name="out")
+
+
+def test_leading_dims_and_no_bias():
+    x, q, scales, _, _ = _case(6, 24, 32, 16, torch.float32, "cpu")
+    x3 = x.view(2, 3, 32)
+    for backend in ("triton", "torch"):
+        out = int8_linear(x3, q, scales, backend=backend)
+        assert out.shape == (2, 3, 24)
+        assert_close(out, int8_linear_reference(x3.double(), q, scales).float(), name=backend)
+
+
+@pytest.mark.parametrize("group_size", [None, 16, 64])
+def test_quantization_error_is_at_most_half_a_step(group_size):
+    w = torch.randn(33, 128, generator=torch.Generator().manual_seed(1)) * 3
+    q, scales = quantize_symmetric(w, 8, group_size=group_size)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    step = scales.repeat_interleave(128 // scales.shape[1], dim=1)
+    err = (dequantize(q, scales) - w).abs()
+    assert bool((err <= step / 2 * (1 + 1e-6)).all()), f"max error / step = {float((err / step).max()):.4f} > 0.5"
+
+
+def test_output_error_bound_against_the_float_weight():
+    """|x W~^T - x W^T| <= sum_k |x_k| * scale / 2 for every output (the bound docs/inference.md states)."""
+    x, q, scales, _, w = _case(4, 40, 96, 32, torch.float32, "cpu")
+    out = int8_linear(x, q, scales, backend="torch").double()
+    exact = x.double() @ w.double().t()
+    step = scales.double().repeat_interleave(32, dim=1)
+    bound = x.double().abs() @ (step / 2).t()
+    assert bool(((out - exact).abs() <= bound + 1e-5).all())
+
+
+def test_requantizing_a_quantized_weight_is_exact():
+    """What MoQ relies on: weights already on the grid come back unchanged."""
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    for bits in (8, 4):
+        snapped = fake_quantize(w, bits, group_size=32)
+        q, scales = quantize_symmetric(snapped, bits, group_size=32)
+        assert_close(dequantize(q, scales), snapped, name=f"{bits}-bit round trip")
+        assert int(q.abs().max()) <= (1 << (bits - 1)) - 1
+
+
+def test_deepspeed_q_groups_layouts():
+    assert scale_group_size(8, 6, q_groups=4) == (2, 6)  # chunks of two whole rows
+    assert scale_group_size(4, 16, q_groups=8) == (1, 8)  # two chunks per row
+    w = torch.randn(8, 6)
+    q, scales = quantize_symmetric(w, 8, q_groups=4)
+    assert scales.shape == (8, 1) and torch.equal(scales[0::2], scales[1::2])
+    assert_close(scales[0:2, 0], w[0:2].abs().max().expand(2) / 127, name="row-pair scale")
+    with pytest.raises(ValueError, match="neither whole rows"):
+        scale_group_size(4, 6, q_groups=3)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, q, s: int8_linear(x, q.float(), s), "int8 tensor"),
+    (lambda x, q, s: int8_linear(x[:, :5], q, s), "features"),
+    (lambda x, q, s: int8_linear(x, q, s.double()), "float32"),
+    (lambda x, q, s: int8_linear(x, q, s[:, :1].repeat(1, 3)), "dividing"),
+    (lambda x, q, s: int8_linear(x, q, s, torch.zeros(3)), "bias"),
+    (lambda x, q, s: int8_linear(x.int(), q, s), "dtype"),
+    (lambda x, q, s: quantize_symmetric(q.float(), 9), "num_bits"),
+    (lambda x, q, s: quantize_symmetric(q.float(), 8, group_size=5), "group_size"),
+])
+def test_bad_input_is_refused(call, match):
+    x, q, scales, _, _ = _case(2, 8, 32, None, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=match):
+        call(x, q, scales)
+
+
+def test_triton_refuses_groups_it_cannot_tile():
+    x, q, scales, _, _ = _case(2, 8, 24, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        int8_linear(x, q, scales, backend="triton")
