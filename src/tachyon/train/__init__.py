@@ -1,7 +1,7 @@
 """``tachyon train``: the main job, a small BERT (masked LM) or GPT trained with the tachyon engine
 on the Shakespeare corpus that ships with the package, scored against the unigram baseline.
 
-    tachyon train [CONFIG] [--model gpt] [--resume] [--nproc N] [--steps N] [--output-dir DIR] [--quiet]
+    tachyon train [CONFIG] [--model gpt] [--pld] [--resume] [--nproc N] [--steps N] [--output-dir DIR] [--quiet]
     python -m tachyon.train ...           the same command
 
 Pieces: :mod:`tachyon.train.config` (the job's JSON: model size, steps, evaluation and checkpoint

@@ -5,6 +5,7 @@
     tachyon train examples/train_ci.json        another config
     tachyon train CONFIG --resume               continue from the latest checkpoint of the run
     tachyon train CONFIG --steps 600 --nproc 1 --output-dir runs/mine --quiet
+    tachyon train --pld                         progressive layer drop on (--no-pld: off, whatever CONFIG says)
 
 Launching: outside a torchrun environment with more than one process, the command re-executes
 itself as ``python -m torch.distributed.run --standalone --nproc-per-node N -m tachyon.train ...``
@@ -64,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes (default: the number of GPUs, else the config's nproc, 2)")
     parser.add_argument("--output-dir", default=None, metavar="DIR",
                         help="where the run writes (default: the config's output_dir, else runs/<model>-<time>)")
+    parser.add_argument("--pld", action=argparse.BooleanOptionalAction, default=None,
+                        help="progressive layer drop on (--no-pld: off): sets the engine section's "
+                             "progressive_layer_drop.enabled, keeping its theta and gamma (DeepSpeed's 0.5 and "
+                             "0.001 when absent) (default: as the config says; off in the built-in jobs)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in the output dir (default: off, a new run)")
     parser.add_argument("--no-progress", action="store_true",
@@ -122,6 +127,8 @@ def launch_command(args: argparse.Namespace, nproc: int, output_dir: Path) -> li
     cmd += ["--output-dir", str(output_dir)]
     if args.steps is not None:
         cmd += ["--steps", str(args.steps)]
+    if getattr(args, "pld", None) is not None:
+        cmd.append("--pld" if args.pld else "--no-pld")
     for flag in ("resume", "no_progress", "quiet"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
@@ -145,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
     source = args.config if args.config is not None else default_config_path(args.model or "bert")
     try:
-        config = load_train_config(source, model=args.model, steps=args.steps)
+        config = load_train_config(source, model=args.model, pld=getattr(args, "pld", None), steps=args.steps)
         nproc = None if _in_torchrun() else _process_count(args, config.nproc)
         if nproc is not None:  # check the engine section here, not in N processes after the launch
             import tachyon

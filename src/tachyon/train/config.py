@@ -14,6 +14,11 @@
       "engine": {"train_micro_batch_size_per_gpu": 64, "zero_optimization": {"stage": 2}, ...}
     }
 
+Progressive layer drop is the engine's own section, as in DeepSpeed: ``"engine":
+{..., "progressive_layer_drop": {"enabled": true, "theta": 0.5, "gamma": 0.001}}``; the
+command's ``--pld`` / ``--no-pld`` (``load_train_config(pld=...)``) set its ``enabled`` and keep
+the rest (the engine's defaults: DeepSpeed's theta 0.5, gamma 0.001).
+
 Fill-ins into ``engine`` (only where the key is absent): ``bf16``/``fp16`` from ``precision``
 (an explicit ``bf16`` or ``fp16`` section in ``engine`` must agree with a non-"auto" precision),
 ``scheduler.params.total_num_steps`` = ``steps`` for the decaying schedules, and ``seed``.
@@ -175,10 +180,11 @@ def resolve_precision(precision: str, bf16_available: bool) -> str:
 
 
 def load_train_config(source: str | Path | dict[str, Any] | None = None, *, model: str | None = None,
-                      **overrides: Any) -> TrainConfig:
+                      pld: bool | None = None, **overrides: Any) -> TrainConfig:
     """A TrainConfig from a JSON path, a dict or None (the built-in job of ``model``, default
     "bert"), with ``model`` and ``overrides`` applied on top (keys of TrainConfig; None values are
-    skipped). Raises ConfigError naming the key."""
+    skipped). ``pld`` (None: as the config says) sets ``engine.progressive_layer_drop.enabled``.
+    Raises ConfigError naming the key."""
     if model is not None and model not in BUILT_IN_JOBS:
         raise ConfigError(f"model must be one of {', '.join(BUILT_IN_JOBS)}; got {model!r}")
     if source is None:
@@ -196,6 +202,8 @@ def load_train_config(source: str | Path | dict[str, Any] | None = None, *, mode
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a JSON object, got {type(raw).__name__}")
     raw.update({k: v for k, v in {"model": model, **overrides}.items() if v is not None})
+    if pld is not None:
+        _set_pld(raw, pld)
     known = TrainConfig.model_fields
     problems = [unknown_key(str(key), "", known) for key in raw if key not in known]
     if problems:
@@ -204,3 +212,18 @@ def load_train_config(source: str | Path | dict[str, Any] | None = None, *, mode
         return TrainConfig.model_validate(raw)
     except ValidationError as error:
         raise ConfigError(validation_problems(error)) from None
+
+
+def _set_pld(raw: dict[str, Any], enabled: bool) -> None:
+    """``raw["engine"]["progressive_layer_drop"]["enabled"] = enabled`` (the engine section is
+    the default one when the config has none), keeping the section's theta and gamma."""
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"pld must be True, False or None; got {enabled!r}")
+    engine = raw.get("engine", copy.deepcopy(DEFAULT_ENGINE))
+    if not isinstance(engine, dict):
+        raise ConfigError(f"`engine` must be a JSON object (the DeepSpeed-style config); got {type(engine).__name__}")
+    section = engine.get("progressive_layer_drop", {})
+    if not isinstance(section, dict):
+        raise ConfigError("`engine.progressive_layer_drop` must be a JSON object like {\"enabled\": true, "
+                          f"\"theta\": 0.5, \"gamma\": 0.001}}; got {type(section).__name__}")
+    raw["engine"] = {**engine, "progressive_layer_drop": {**section, "enabled": enabled}}

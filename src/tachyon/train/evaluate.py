@@ -95,7 +95,10 @@ def evaluate(model: torch.nn.Module, dataset, indices: list[int], micro_batch: i
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)
     mine = indices[rank::world]
-    for batch in DataLoader(dataset, batch_size=micro_batch, sampler=mine, collate_fn=collate):
+    # a generator of its own: iterating a DataLoader draws from it, and the default one is the
+    # training's stream of random decisions (see tachyon.train.helpers.epoch_loader)
+    loader = DataLoader(dataset, batch_size=micro_batch, sampler=mine, collate_fn=collate, generator=torch.Generator())
+    for batch in loader:
         batch = {k: v.to(device) for k, v in batch.items()}
         logits, targets = _logits_and_targets(model, batch)
         totals[0] += F.cross_entropy(logits, targets, reduction="sum").double().cpu()

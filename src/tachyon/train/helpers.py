@@ -56,13 +56,19 @@ def set_threads(threads_per_process: int | None, world: int) -> None:
 
 
 def epoch_loader(dataset: Any, sampler: Any, epoch: int, skip_batches: int, micro_batch: int) -> DataLoader:
-    """This rank's micro-batches of ``epoch``, starting after the first ``skip_batches``."""
+    """This rank's micro-batches of ``epoch``, starting after the first ``skip_batches``.
+
+    The loader gets a generator of its own: a DataLoader draws a seed from its generator each
+    time it is iterated, and torch's default one is the stream of the training-time random
+    decisions (progressive layer drop, the TE-style layers' dropout), which the checkpoint saves
+    and ``--resume`` restores. Left on the default generator, a resumed run (which opens a new
+    loader mid-epoch) would draw different decisions than the run it continues."""
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
     if hasattr(dataset, "set_epoch"):
         dataset.set_epoch(epoch)  # fresh masked-LM masks per epoch
     indices = list(sampler)[skip_batches * micro_batch:]
-    return DataLoader(dataset, batch_size=micro_batch, sampler=indices, collate_fn=collate)
+    return DataLoader(dataset, batch_size=micro_batch, sampler=indices, collate_fn=collate, generator=torch.Generator())
 
 
 def or_nan(value: float | None) -> float:

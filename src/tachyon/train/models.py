@@ -18,6 +18,14 @@ training loop is ``loss = engine(**batch)``::
   LayerNorm -> LM head (tied by default). Labels from :class:`~tachyon.data.CausalLMDataset` are
   already shifted, so the loss is a plain token-wise cross-entropy.
 
+Progressive layer drop: both forwards take DeepSpeed's ``progressive_layer_drop`` and
+``pld_theta`` (what the engine adds to the call when the config's ``progressive_layer_drop``
+section is enabled) and hand them to every layer, which knows its place in the stack
+(``layer_number`` 1..L, ``num_layers`` L) and in training keeps itself with probability
+``1 - (layer_number / L) * (1 - pld_theta)``. Both stacks are pre-LN, the architecture the PLD
+paper needs (a skipped pre-LN layer is the identity on the residual stream). Evaluation
+(``logits_at``, ``logits``, or ``eval()``) runs every layer.
+
 Dtype: build the model in fp32 or in the training dtype (``dtype=``); the engine casts the module
 to its precision (bf16/fp16) in place. The fused BERT layer checks that its inputs and parameters
 have the dtype its config names, so :class:`BertMLM` must be built with the dtype it will train in.
@@ -125,7 +133,8 @@ class BertMLM(nn.Module):
             rows get the smallest given value.
 
     forward(input_ids [b, s] int64, attention_mask [b, s] 0/1 or None, labels [b, s] int64 with
-    -100 at unscored positions) -> mean cross-entropy (fp32 scalar) over the scored positions.
+    -100 at unscored positions, progressive_layer_drop=False, pld_theta=None) -> mean
+    cross-entropy (fp32 scalar) over the scored positions.
     Saved for backward: what the kernel layers save (see TransformerKernelLayer) plus the
     embeddings' and the head's inputs.
     """
@@ -170,6 +179,8 @@ class BertMLM(nn.Module):
             **(kernel_flags or {}),
         )
         self.layers = nn.ModuleList(tnn.TransformerKernelLayer(config) for _ in range(num_layers))
+        for number, layer in enumerate(self.layers, 1):  # each layer's place, for progressive layer drop
+            layer.layer_number, layer.num_layers = number, num_layers
         self.final_norm = tnn.LayerNorm(hidden_size, eps=1e-12, dtype=dtype)
         # BERT's prediction head transform: dense -> GELU -> LayerNorm, then the decoder
         self.transform = nn.Linear(hidden_size, hidden_size, dtype=dtype)
@@ -188,16 +199,21 @@ class BertMLM(nn.Module):
         if tie_embeddings:
             self.lm_head.weight = self.token_embedding.weight
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None,
+                progressive_layer_drop: bool = False, pld_theta: float | None = None) -> Tensor:
         if labels is None:
             raise ValueError("BertMLM: labels are required (the model returns the masked-LM loss)")
         _check_batch("BertMLM", input_ids, labels, self.max_seq_len)
         scored = labels != IGNORE_INDEX
-        return F.cross_entropy(self.logits_at(input_ids, scored, attention_mask), labels[scored])
+        logits = self.logits_at(input_ids, scored, attention_mask, progressive_layer_drop=progressive_layer_drop,
+                                pld_theta=pld_theta)
+        return F.cross_entropy(logits, labels[scored])
 
-    def logits_at(self, input_ids: Tensor, scored: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def logits_at(self, input_ids: Tensor, scored: Tensor, attention_mask: Tensor | None = None,
+                  progressive_layer_drop: bool = False, pld_theta: float | None = None) -> Tensor:
         """fp32 logits ``[n, vocab_size]`` at the ``n`` positions where ``scored`` ([b, s] bool) is
-        True, in row-major order (what fill-mask reads; the loss is their cross-entropy)."""
+        True, in row-major order (what fill-mask reads; the loss is their cross-entropy).
+        ``progressive_layer_drop``, ``pld_theta``: passed to every layer (module docstring)."""
         seq = input_ids.shape[1]
         positions = torch.arange(seq, device=input_ids.device)
         x = self.token_embedding(input_ids) + self.position_embedding(positions)
@@ -207,7 +223,7 @@ class BertMLM(nn.Module):
         # all-ones masks (full windows, the datasets' case) are dropped: no key bias to add
         mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
         for layer in self.layers:
-            x = layer(x, mask)
+            x = layer(x, mask, progressive_layer_drop=progressive_layer_drop, pld_theta=pld_theta)
         h = self.final_norm(x[scored])  # [n_scored, hidden]: the head only runs where a label is
         h = self.transform_norm(F.gelu(self.transform(h)))
         logits = self.lm_head(h) + self.lm_bias
@@ -229,7 +245,8 @@ class GPT(nn.Module):
         dtype: parameter dtype.
 
     forward(input_ids [b, s] int64, attention_mask ignored (causal, windows are full),
-    labels [b, s] int64 already shifted, -100 = unscored) -> mean cross-entropy (fp32 scalar).
+    labels [b, s] int64 already shifted, -100 = unscored, progressive_layer_drop=False,
+    pld_theta=None) -> mean cross-entropy (fp32 scalar).
     Saved for backward: what the TransformerLayers save plus the head's input.
     """
 
@@ -284,8 +301,8 @@ class GPT(nn.Module):
             tnn.TransformerLayer(
                 hidden_size, intermediate_size, num_heads, hidden_dropout=hidden_dropout,
                 attention_dropout=attention_dropout, init_method=init, output_layer_init_method=out_init,
-                layer_number=i + 1, self_attn_mask_type="causal", normalization=normalization,
-                activation=activation, attn_input_format="bshd", params_dtype=dtype,
+                layer_number=i + 1, num_layers=num_layers, self_attn_mask_type="causal",
+                normalization=normalization, activation=activation, attn_input_format="bshd", params_dtype=dtype,
             )
             for i in range(num_layers)
         )
@@ -297,15 +314,18 @@ class GPT(nn.Module):
         else:
             nn.init.normal_(self.lm_head.weight, 0.0, std)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None,
+                progressive_layer_drop: bool = False, pld_theta: float | None = None) -> Tensor:
         del attention_mask  # causal attention over full windows; padding never occurs in these datasets
         if labels is None:
             raise ValueError("GPT: labels are required (the model returns the language-model loss)")
         _check_batch("GPT", input_ids, labels, self.max_seq_len)
-        return F.cross_entropy(self.logits(input_ids).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        logits = self.logits(input_ids, progressive_layer_drop=progressive_layer_drop, pld_theta=pld_theta)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
-    def logits(self, input_ids: Tensor) -> Tensor:
-        """fp32 next-token logits ``[b, s, vocab_size]`` (what generation samples from)."""
+    def logits(self, input_ids: Tensor, progressive_layer_drop: bool = False, pld_theta: float | None = None) -> Tensor:
+        """fp32 next-token logits ``[b, s, vocab_size]`` (what generation samples from).
+        ``progressive_layer_drop``, ``pld_theta``: passed to every layer (module docstring)."""
         seq = input_ids.shape[1]
         x = self.token_embedding(input_ids)
         rotary = None
@@ -318,5 +338,5 @@ class GPT(nn.Module):
                 self._rope_cache[key] = rope(seq)  # fp32 angles [seq, 1, 1, head_dim]
             rotary = self._rope_cache[key]
         for layer in self.layers:
-            x = layer(x, rotary_pos_emb=rotary)
+            x = layer(x, rotary_pos_emb=rotary, progressive_layer_drop=progressive_layer_drop, pld_theta=pld_theta)
         return self.lm_head(self.final_norm(x)).float()[..., :self.vocab_size]  # padded rows are never answers

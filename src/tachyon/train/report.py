@@ -15,9 +15,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["METRIC_COLUMNS", "VALIDATION_COLUMNS", "final_table", "read_metrics", "summary_text", "write_rows"]
+__all__ = ["METRIC_COLUMNS", "VALIDATION_COLUMNS", "final_table", "read_metrics", "summary_text", "time_to_loss",
+           "write_rows"]
 
-METRIC_COLUMNS = ("step", "loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s", "step_time_s")
+METRIC_COLUMNS = ("step", "loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s", "step_time_s",
+                  "cpu_s")
+"""metrics.csv's columns (a run with progressive layer drop adds ``pld_theta``). ``step_time_s``:
+the step's wall time; ``cpu_s``: the CPU seconds every rank spent in it, summed."""
 VALIDATION_COLUMNS = ("step", "loss", "accuracy", "baseline_loss", "baseline_accuracy")
 
 
@@ -30,14 +34,15 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
 def write_rows(path: Path, rows: list[dict[str, float]], first_step: int,
                columns: tuple[str, ...]) -> list[dict[str, float]]:
     """Append ``rows`` to the CSV at ``path``, dropping earlier rows at or after ``first_step`` (a
-    run that resumed from an older checkpoint replaces them); returns the whole table."""
+    run that resumed from an older checkpoint replaces them); returns the whole table. A column
+    an earlier row lacks (a file from an older run, PLD turned on at a resume) is written as nan."""
     previous = [r for r in read_metrics(path) if r["step"] < first_step] if path.is_file() else []
     table = previous + rows
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         for row in table:
-            writer.writerow({k: (row[k] if k == "step" else f"{row[k]:.6g}") for k in columns})
+            writer.writerow({k: (row[k] if k == "step" else f"{row.get(k, math.nan):.6g}") for k in columns})
     return table
 
 
@@ -91,3 +96,21 @@ def summary_text(job: dict[str, Any], validation: dict[str, Any] | None, samples
         lines.append(f"  rank {rank}: " + ", ".join(f"{k} {_mib(v)}" for k, v in entry.items()))
     lines += files
     return "\n".join(lines) + "\n"
+
+
+def time_to_loss(metrics: list[dict[str, float]], validation: list[dict[str, float]],
+                 target: float) -> dict[str, float] | None:
+    """The first evaluation whose validation loss is at or below ``target``, and what the run had
+    spent on training up to that step: ``{"step", "loss", "step_time_s", "cpu_s"}`` (the sums of
+    metrics.csv's columns over steps 1..step; evaluations and checkpoints are not in them).
+    None when no evaluation reaches ``target``. A crossing is only seen at an evaluation, so
+    ``step`` is an upper bound within ``eval_interval`` steps."""
+    for row in validation:
+        if row["loss"] <= target:
+            step = int(row["step"])
+            done = [m for m in metrics if m["step"] <= step]
+            if [int(m["step"]) for m in done] != list(range(1, step + 1)):
+                raise ValueError(f"metrics.csv does not hold every step 1..{step}; cannot sum the time to step {step}")
+            return {"step": step, "loss": row["loss"], "step_time_s": sum(m["step_time_s"] for m in done),
+                    "cpu_s": sum(m.get("cpu_s", math.nan) for m in done)}
+    return None

@@ -16,6 +16,11 @@ train until the engine's ``global_steps`` reaches ``config.steps``:
   samples/s, tokens/s, step time), the ``tensorboard`` / ``csv_monitor`` events and the
   ``wall_clock_breakdown`` lines are the engine's own (`tachyon.engine.telemetry`); this loop
   tells it the tokens per sample, routes its lines and reads ``engine.telemetry.last_step``.
+- every step, a row of metrics: the loss (mean over the data-parallel ranks), lr, grad norm,
+  loss scale, throughput, the step's wall time (the engine's, evaluations and checkpoints
+  excluded) and CPU time (``cpu_s``: process time of every rank in the step, summed; on a shared
+  machine the steadier measure of the work done), and with progressive layer drop on the keep
+  ratio ``pld_theta`` the step's forwards used (``engine.get_pld_theta()`` before its first).
 - every ``eval_interval`` steps and at the last step: the validation loss and top-1 accuracy
   (:mod:`tachyon.train.evaluate`; every rank scores its share, the sums are all-reduced).
 - every ``checkpoint_interval`` steps and at the end, ``engine.save_checkpoint(output_dir /
@@ -96,6 +101,21 @@ def build_model(config: TrainConfig, vocab_size: int, dtype: torch.dtype, max_ba
     return GPT(**common, position=config.position)
 
 
+class _CpuClock:
+    """This process's CPU seconds (user + system, every thread) since the last lap or restart."""
+
+    def __init__(self) -> None:
+        self.mark = time.process_time()
+
+    def restart(self) -> None:
+        self.mark = time.process_time()
+
+    def lap(self) -> float:
+        now = time.process_time()
+        elapsed, self.mark = now - self.mark, now
+        return elapsed
+
+
 class _Console:
     """Rank 0's output: the bar (or none) and the lines, by output mode (module docstring)."""
 
@@ -152,7 +172,9 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
     precision = config.training_precision(tachyon.capabilities()["bf16"].available)
     engine_config = config.engine_config(precision)
     # checked (and the micro-batch resolved) before any work: a bad engine section fails fast
-    micro_batch = load_config(engine_config, world).train_micro_batch_size_per_gpu
+    checked = load_config(engine_config, world)
+    micro_batch = checked.train_micro_batch_size_per_gpu
+    pld = checked.progressive_layer_drop if checked.progressive_layer_drop.enabled else None  # theta, gamma
 
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     train_set, val_set = build_lm_datasets(config.objective, config.seq_len, seed=config.seed,
@@ -197,6 +219,11 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
     console.write(f"unigram baseline on the validation targets: {baseline.loss:.3f} nats/token "
                   f"(perplexity {baseline.perplexity:.1f})")
 
+    if pld is not None:
+        console.write(f"progressive layer drop: keep ratio theta(t) = {1 - pld.theta:g} * exp(-{pld.gamma:g} t) + "
+                      f"{pld.theta:g}; layer l of {config.num_layers} runs with probability 1 - l/{config.num_layers}"
+                      " * (1 - theta(t)) in training, every layer in evaluation")
+    columns = METRIC_COLUMNS + (("pld_theta",) if pld is not None else ())
     telemetry = engine.telemetry  # the engine prints the step lines and writes the monitor events
     telemetry.set_tokens_per_sample(config.seq_len)
     telemetry.printer = console.write
@@ -212,12 +239,17 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
         console.write(f"validation at step {step}: {latest.loss:.3f} nats/token (perplexity {latest.perplexity:.1f}), "
                       f"unigram baseline {baseline.loss:.3f} ({baseline.perplexity:.1f})")
         telemetry.restart_window()  # the evaluation is not the next step's time
+        cpu.restart()
 
     engine.train()
     telemetry.restart_window()  # step 1's time starts at its first forward
+    cpu = _CpuClock()
+    theta = None
     while engine.global_steps < config.steps:
         for batch in epoch_loader(train_set, sampler, epoch, batches_in_epoch, micro_batch):
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            if engine.micro_steps % engine.gradient_accumulation_steps() == 0:
+                theta = engine.get_pld_theta()  # what this step's forwards get (the engine passes it)
             loss = engine(**batch)
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
@@ -227,21 +259,24 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
                 continue
             stats = telemetry.last_step
             step = stats.step
-            # the engine averaged the loss over the ranks on print steps; metrics.csv wants every step's
-            loss_value = stats.global_loss
-            if loss_value is None:
-                loss_value, = mean_over_ranks([stats.loss.item()], device)
+            # one all-reduce: the loss (metrics.csv wants every step's, the engine averages it on print
+            # steps only; its value is kept there) and the step's CPU seconds of every rank
+            loss_mean, cpu_mean = mean_over_ranks([stats.loss.item(), cpu.lap()], device)
+            loss_value = loss_mean if stats.global_loss is None else stats.global_loss
             lrs = engine.get_lr()
             rows.append({"step": step, "loss": loss_value, "lr": float(lrs[0]) if lrs else 0.0,
                          "grad_norm": or_nan(engine.get_global_grad_norm()), "loss_scale": engine.loss_scale,
                          "samples_per_s": or_nan(stats.samples_per_s), "tokens_per_s": or_nan(stats.tokens_per_s),
-                         "step_time_s": stats.step_time_s})
+                         "step_time_s": stats.step_time_s, "cpu_s": cpu_mean * world})
+            if pld is not None:
+                rows[-1]["pld_theta"] = theta
             if step >= config.steps or (config.eval_interval and step % config.eval_interval == 0):
                 run_evaluation(step)
             console.update(loss_value, or_nan(stats.tokens_per_s), None if latest is None else latest.loss)
             if step >= config.steps or (config.checkpoint_interval and step % config.checkpoint_interval == 0):
                 checkpointer.save(step, {"epoch": epoch, "batches_in_epoch": batches_in_epoch, "step": step})
                 telemetry.restart_window()  # the save is not the next step's time
+                cpu.restart()
             if step >= config.steps:
                 break
         else:  # the epoch ran out
@@ -258,7 +293,7 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
     result = TrainResult(first_step, last_step, rows if rank == 0 else [], latest, baseline, checkpointer.saved)
     if rank == 0:
         _finish(config, engine, tokenizer, val_set, result, rows, evaluations, memory, precision, world, n_params,
-                time.perf_counter() - started, output_dir, output)
+                time.perf_counter() - started, output_dir, output, columns, pld)
     engine.destroy()  # closes the monitor files and the engine's data-parallel group
     return result
 
@@ -297,9 +332,11 @@ def _speaker_prompts(count: int) -> list[str]:
 
 def _finish(config: TrainConfig, engine: Any, tokenizer: Any, val_set: Any, result: TrainResult,
             rows: list[dict[str, float]], evaluations: list[dict[str, float]], memory: list[dict[str, float]],
-            precision: str, world: int, n_params: int, wall_s: float, output_dir: Path, output: str) -> None:
-    """Rank 0's end of the run: the CSVs, loss.png, summary.txt, and the table and summary printed."""
-    metrics = write_rows(output_dir / "metrics.csv", rows, result.first_step, METRIC_COLUMNS)
+            precision: str, world: int, n_params: int, wall_s: float, output_dir: Path, output: str,
+            columns: tuple[str, ...] = METRIC_COLUMNS, pld: Any = None) -> None:
+    """Rank 0's end of the run: the CSVs, loss.png, summary.txt, and the table and summary printed.
+    ``columns``: metrics.csv's; ``pld``: the engine config's progressive_layer_drop section when it is on."""
+    metrics = write_rows(output_dir / "metrics.csv", rows, result.first_step, columns)
     validation = write_rows(output_dir / "validation.csv", evaluations, result.first_step, VALIDATION_COLUMNS)
     if metrics:
         plot_training(output_dir / "loss.png", metrics, validation=[(int(v["step"]), v["loss"]) for v in validation],
@@ -329,6 +366,11 @@ def _finish(config: TrainConfig, engine: Any, tokenizer: Any, val_set: Any, resu
         first = sum(r["loss"] for r in metrics[:window]) / window
         last = sum(r["loss"] for r in metrics[-window:]) / window
         job.append(f"training loss: {first:.3f} (mean of the first {window} steps) -> {last:.3f} (last {window})")
+    thetas = [(int(r["step"]), r["pld_theta"]) for r in metrics if math.isfinite(r.get("pld_theta", math.nan))]
+    if pld is not None and thetas:
+        job.append(f"progressive layer drop: theta {pld.theta:g}, gamma {pld.gamma:g}; keep ratio {thetas[0][1]:.3f} "
+                   f"at step {thetas[0][0]} -> {thetas[-1][1]:.3f} at step {thetas[-1][0]} (layer l of "
+                   f"{config.num_layers} runs with probability 1 - l/{config.num_layers} * (1 - keep ratio))")
     job.append(f"skipped steps (fp16 overflow): {int(getattr(engine, 'skipped_steps', 0))}")
     checked = {"model": result.validation, "baseline": result.baseline,
                "what": "every scored token replaced by [MASK]" if config.model == "bert" else "next-token prediction"}
