@@ -28,9 +28,12 @@ Formulas, fp32 (b = 4 bytes), T = tokens per data-parallel replica per step, h h
            against a formula (param_bytes_formula: 1/tp of the split layers, replicated rest)
 
 GPU part (``--gpu``, run under torchrun on a machine with several GPUs; none has been available):
-a ~1.1B-parameter GPT (hidden 2048, 20 layers, 16 heads, vocab 50304, sequence 2048, bf16
-autocast, fp32 weights, AdamW) per layout: ms per step, tokens/s and MFU = (6 N + 12 L h S) x
-tokens/s / (GPUs x bf16 peak), against the datasheet peak (benchmarks/common.py).
+a ~1.1B-parameter GPT (hidden 2048, 20 layers, 16 heads, vocab 50304, sequence 2048) trained
+through ONE ``tachyon.initialize`` per layout, as a user runs it: the config's
+``tensor_parallel`` / ``pipeline`` sections (a PipelineModule over Mesh(dp, pp, tp) and
+``engine.train_batch`` for pp > 1), ZeRO-1, bf16 with fp32 masters, AdamW, 8 micro-batches of a
+global batch of 16 sequences: ms per step, tokens/s and MFU = (6 N + 12 L h S) x tokens/s /
+(GPUs x bf16 peak), against the datasheet peak (benchmarks/common.py).
 
 Usage:
     python benchmarks/bench_parallel.py [--layouts dp2xtp2,pp2-1f1b,...]
@@ -262,38 +265,72 @@ def cpu_part(layouts: list[Layout]) -> list[dict]:
 # ---------------------------------------------------------------------------------- GPU part
 
 
-def gpu_part(layouts: list[Layout], smoke: bool) -> list[dict]:
-    """Runs inside torchrun (or --smoke: 2 gloo ranks on CPU, tiny model): tokens/s and MFU."""
+def _engine(layout: Layout, cfg: dict, batch: int, micro: int, precision: str):
+    """(engine, step function(ids) -> loss) for ``layout`` through ONE tachyon.initialize: ZeRO-1,
+    AdamW, the config's tensor_parallel / pipeline sections (a PipelineModule over
+    Mesh(dp, pp, tp) for pp > 1)."""
+    import tachyon
     from tachyon.parallel import Mesh
+
+    config = {"train_batch_size": batch, "gradient_accumulation_steps": micro, "steps_per_print": 10**9,
+              "zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "tensor_parallel": {"tp_size": layout.tp, "sequence_parallel": layout.sp}}
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    torch.manual_seed(0)
+    if layout.pp == 1:
+        from tachyon.train.models import GPT
+
+        engine, *_ = tachyon.initialize(model=GPT(**cfg), config=config)
+
+        def step(ids):
+            loss = None
+            for chunk in ids.chunk(micro):
+                loss = engine(chunk, labels=chunk)
+                engine.backward(loss)
+                engine.step()
+            return loss
+
+        return engine, step
+    from tachyon.parallel.pipeline import PipelineModule
+    from tachyon.parallel.pipeline.gpt import gpt_layer_specs, gpt_loss
+
+    net = PipelineModule(gpt_layer_specs(**cfg), topology=Mesh(dp=layout.dp, pp=layout.pp, tp=layout.tp),
+                         loss_fn=gpt_loss, partition_method="type:GPTBlock", stages_per_rank=layout.stages_per_rank)
+    config["pipeline"] = {"stages": layout.pp, "schedule": layout.schedule}
+    engine, *_ = tachyon.initialize(model=net, config=config)
+
+    def step(ids):
+        return engine.train_batch(iter(list(zip(ids.chunk(micro), ids.chunk(micro)))))
+
+    return engine, step
+
+
+def gpu_part(layouts: list[Layout], smoke: bool) -> list[dict]:
+    """Runs inside torchrun (or --smoke: 2 gloo ranks on CPU, tiny model, fp32): tokens/s and MFU
+    of a training step through tachyon.initialize (ZeRO-1, bf16, AdamW) for each layout."""
     from tachyon.parallel.distributed import init_distributed
 
     init_distributed(verbose=False)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not smoke else torch.device("cpu")
+    on_gpu = torch.cuda.is_available() and not smoke
     cfg = dict(CPU_MODEL) if smoke else dict(GPU_MODEL)
-    batch, micro, steps = (4, 2, 2) if smoke else (16, 8, 10)
+    batch, micro, steps = (8, 2, 2) if smoke else (16, 8, 10)
     rows = []
     for layout in layouts:
         if layout.world != dist.get_world_size():
             if dist.get_rank() == 0:
                 print(f"skipping {layout.name}: needs {layout.world} ranks, running {dist.get_world_size()}")
             continue
-        mesh = Mesh(dp=layout.dp, pp=layout.pp, tp=layout.tp)
-        model, step, _ = _build(layout, mesh, cfg, micro if layout.pp > 1 else 1, device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        engine, step = _engine(layout, cfg, batch, micro, "bf16" if on_gpu else "fp32")
         seq = cfg["max_seq_len"]
-        ids = torch.randint(0, cfg["vocab_size"], (batch // layout.dp, seq), device=device)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+        ids = torch.randint(0, cfg["vocab_size"], (batch // layout.dp, seq), device=engine.device)
         times = []
         for i in range(steps + 2):
-            if device.type == "cuda":
+            if on_gpu:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            with autocast:
-                step(ids, ids)
-            _dp_all_reduce(model, mesh)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
+            step(ids)
+            if on_gpu:
                 torch.cuda.synchronize()
             if i >= 2:
                 times.append(time.perf_counter() - t0)
@@ -305,8 +342,9 @@ def gpu_part(layouts: list[Layout], smoke: bool) -> list[dict]:
         mfu = flops / (dist.get_world_size() * peaks["bf16"] * 1e12) if peaks else float("nan")
         rows.append({"layout": layout.name, "GPUs": dist.get_world_size(), "params": n_params, "ms/step": seconds * 1e3,
                      "tokens/s": tokens, "model TFLOP/s per GPU": flops / dist.get_world_size() / 1e12, "MFU": mfu,
-                     "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0})
-        del model, opt
+                     "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else 0.0})
+        engine.destroy()
+        del engine, step
     return rows
 
 
@@ -358,7 +396,7 @@ def main() -> None:
         names = args.layouts.split(",") if args.layouts else ["dp8", "tp8", "pp8-1f1b", "dp2xpp2xtp2sp-1f1b", "dp4xtp2sp"]
         rows = gpu_part([Layout.parse(n) for n in names], smoke=False)
         if dist.get_rank() == 0:
-            print_table(rows, title="GPT ~1.1B per layout (bf16 autocast)")
+            print_table(rows, title="GPT ~1.1B per layout through tachyon.initialize (ZeRO-1, bf16)")
             write_csv(output_dir() / "bench_parallel_gpu.csv", rows, "parallel_throughput")
         return
     if args.smoke:

@@ -212,7 +212,7 @@ def test_unknown_key_without_close_match_lists_allowed_keys():
 
 def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as info:
-        load_config(cfg(zero_optimisation={}, fp16={"enabled": "yes"}, pipeline={"stages": 2}))
+        load_config(cfg(zero_optimisation={}, fp16={"enabled": "yes"}, pipeline={"stages": 0}))
     problems = info.value.problems
     assert len(problems) == 3
     assert str(info.value).startswith("3 problems in the config:")
@@ -342,7 +342,7 @@ def test_stage3_keys_are_not_supported_yet(key):
 @pytest.mark.parametrize(
     "section, value",
     [
-        ("pipeline", {"stages": "auto"}),
+        ("hybrid_engine", {"enabled": True}),
         ("sparse_attention", {"mode": "fixed"}),
         ("amp", {"enabled": True, "opt_level": "O1"}),
         ("wandb", {"enabled": True, "project": "x"}),

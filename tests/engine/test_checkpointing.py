@@ -284,8 +284,11 @@ def test_partition_activations_warns_without_tensor_parallelism():
     assert ckpt.get_settings().partition_activations
 
 
-def test_partition_activations_with_tensor_parallelism_is_refused():
-    with pytest.raises(ValueError, match="tensor-parallel size 2 is not supported yet"):
+def test_partition_activations_needs_the_tensor_parallel_rank_and_group():
+    """A tensor-parallel size > 1 is split over (tests/parallel/test_engine_parallel.py); an mpu
+    that reports the size but not the rank and group it splits over is refused."""
+    with pytest.raises(ValueError, match=r"get_tensor_model_parallel_world_size\(\) = 2 but not "
+                                         r"get_tensor_model_parallel_rank\(\) and get_tensor_model_parallel_group\(\)"):
         ckpt.configure(FakeMPU(2), partition_activations=True)
     with pytest.raises(ValueError, match="mpu_ should have get_tensor_model_parallel_world_size"):
         ckpt.configure(object(), partition_activations=True)

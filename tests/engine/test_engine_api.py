@@ -219,7 +219,7 @@ def test_optimizer_given_twice_is_an_error():
 
 
 def test_bad_arguments_are_value_errors():
-    assert "mpu not supported yet" in _bad(mpu=object())
+    assert "mpu should be a model-parallel unit with get_data_parallel_rank()" in _bad(mpu=object())
     assert "dist_init_required=True" in _bad(dist_init_required=True)
     with pytest.raises(ValueError, match="torch.nn.Module"):
         tachyon.initialize(model=lambda x: x, config=BASE)

@@ -11,7 +11,7 @@ per config by `TachyonConfig.ignored_keys`; refused features are in `UNSUPPORTED
 """
 
 from .batch import resolve_batch_sizes
-from .config import TachyonConfig, load_config
+from .config import TachyonConfig, load_config, parse_config
 from .errors import ConfigError
 from .keys import ACCEPTED_IGNORED_KEYS, OFF_VALUES, UNSUPPORTED_KEYS
 from .optim import (
@@ -29,8 +29,10 @@ from .sections import (
     FP16Config,
     MonitorConfig,
     OptimizerConfig,
+    PipelineConfig,
     ProgressiveLayerDropConfig,
     SchedulerConfig,
+    TensorParallelConfig,
     ZeroConfig,
 )
 
@@ -51,10 +53,13 @@ __all__ = [
     "FlopsProfilerConfig",
     "MonitorConfig",
     "OptimizerConfig",
+    "PipelineConfig",
     "ProgressiveLayerDropConfig",
     "SchedulerConfig",
     "TachyonConfig",
+    "TensorParallelConfig",
     "ZeroConfig",
     "load_config",
+    "parse_config",
     "resolve_batch_sizes",
 ]

@@ -32,8 +32,10 @@ from .sections import (
     FP16Config,
     MonitorConfig,
     OptimizerConfig,
+    PipelineConfig,
     ProgressiveLayerDropConfig,
     SchedulerConfig,
+    TensorParallelConfig,
     ZeroConfig,
 )
 from .types import DType, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
@@ -80,6 +82,8 @@ class TachyonConfig(Section):
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     progressive_layer_drop: ProgressiveLayerDropConfig = Field(default_factory=ProgressiveLayerDropConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
 
     _ignored: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -95,6 +99,12 @@ class TachyonConfig(Section):
     @property
     def zero_stage(self) -> int:
         return self.zero_optimization.stage
+
+    @property
+    def model_parallel_size(self) -> int:
+        """pipeline stages x tensor-parallel size as configured (``stages: "auto"`` counts 1:
+        the model decides, see `tachyon.initialize`)."""
+        return (self.pipeline.num_stages or 1) * self.tensor_parallel.size
 
     @property
     def ignored_keys(self) -> tuple[str, ...]:
@@ -167,21 +177,41 @@ def _cross_section_problems(config: TachyonConfig) -> list[str]:
             f'`data_types.grad_accum_dtype: "{accum}"` does not match the training precision '
             f'"{config.precision}"; use "fp32" or "{config.precision}"'
         )
+    stages = config.pipeline.num_stages or 1
+    if stages > 1 and config.zero_stage >= 2:
+        problems.append(
+            f"`zero_optimization.stage: {config.zero_stage}` with `pipeline.stages: {stages}`: ZeRO stage 2 "
+            "partitions gradients during every micro-batch's backward, which a pipeline schedule interleaves "
+            "across micro-batches (DeepSpeed refuses it too); use zero_optimization.stage 0 or 1 with pipelines"
+        )
+    if config.tensor_parallel.sequence_parallel and config.activation_checkpointing.partition_activations:
+        problems.append(
+            "`activation_checkpointing.partition_activations: true` with `tensor_parallel.sequence_parallel: true`: "
+            "partitioning keeps 1/tp of each checkpointed input and all-gathers it back, which assumes the input is "
+            "the same on every tensor-parallel rank; sequence parallelism already splits those inputs along the "
+            "sequence (each rank holds a different slice). Turn one of them off"
+        )
     return problems
 
 
-def load_config(config: Any, world_size: int = 1) -> TachyonConfig:
-    """Validate a DeepSpeed-style config and resolve its batch sizes.
+def _data_parallel_size(config: TachyonConfig, world_size: int) -> int:
+    """world_size / (pipeline stages x tensor-parallel size), or ConfigError naming the keys."""
+    stages, tp = config.pipeline.num_stages or 1, config.tensor_parallel.size
+    if world_size % (stages * tp):
+        what = {(True, False): f"`pipeline.stages` ({stages})", (False, True): f"`tensor_parallel.tp_size` ({tp})"}.get(
+            (stages > 1, tp > 1), f"`pipeline.stages` ({stages}) x `tensor_parallel.tp_size` ({tp}) = {stages * tp}")
+        raise ConfigError(
+            f"{what} does not divide the world size ({world_size}); the data-parallel size world / (stages x "
+            f"tp_size) must be a whole number: choose sizes whose product divides {world_size}"
+        )
+    return world_size // (stages * tp)
 
-    Args:
-        config: path (str or PathLike) to a JSON file, a dict, or a TachyonConfig (re-checked
-            against ``world_size``). The input is not modified.
-        world_size: number of data-parallel ranks the batch sizes are resolved for.
 
-    Returns a TachyonConfig with all three batch sizes set. Raises ConfigError listing every
-    problem found (each names its full key path and what is allowed).
-    """
-    check_world_size(world_size)
+def parse_config(config: Any) -> TachyonConfig:
+    """Validate a DeepSpeed-style config without resolving its batch sizes (they stay as given):
+    every key, type and cross-section rule of `load_config`, nothing that needs the number of
+    ranks. `tachyon.initialize` reads the parallel layout from it before the data-parallel size
+    is known."""
     raw = _as_dict(config)
     problems: list[str] = []
     ignored: dict[str, Any] = {}
@@ -210,12 +240,40 @@ def load_config(config: Any, world_size: int = 1) -> TachyonConfig:
     problems.extend(_cross_section_problems(result))
     if problems:
         raise ConfigError(problems)
+    result._ignored = ignored
+    return result
 
+
+def load_config(config: Any, world_size: int = 1, *, data_parallel_size: int | None = None) -> TachyonConfig:
+    """Validate a DeepSpeed-style config and resolve its batch sizes.
+
+    Args:
+        config: path (str or PathLike) to a JSON file, a dict, or a TachyonConfig (re-checked
+            against ``world_size``). The input is not modified.
+        world_size: number of ranks of the job.
+        data_parallel_size: ranks holding different data, over which the batch sizes are
+            resolved (``train_batch_size = micro * gas * data_parallel_size``). Default:
+            ``world_size / (pipeline.stages * tensor_parallel.tp_size)`` (``stages: "auto"``
+            counts 1); `tachyon.initialize` passes it when a PipelineModule or an mpu decides
+            the layout.
+
+    Returns a TachyonConfig with all three batch sizes set. Raises ConfigError listing every
+    problem found (each names its full key path and what is allowed).
+    """
+    check_world_size(world_size)
+    result = parse_config(config)
+    ignored = result._ignored
+    if data_parallel_size is None:
+        data_parallel_size = _data_parallel_size(result, world_size)
+    else:
+        check_world_size(data_parallel_size)
+        if world_size % data_parallel_size:
+            raise ConfigError(f"data_parallel_size={data_parallel_size} does not divide the world size {world_size}")
     tbs, micro, gas = resolve_batch_sizes(
         result.train_batch_size,
         result.train_micro_batch_size_per_gpu,
         result.gradient_accumulation_steps,
-        world_size,
+        data_parallel_size,
     )
     result = result.model_copy(
         update={

@@ -27,7 +27,6 @@ from .errors import join_path, not_supported, render, unknown_key
 
 UNSUPPORTED_KEYS: dict[str, str] = {
     # top-level features
-    "pipeline": "pipeline parallelism through the config",
     "sparse_attention": "sparse attention",
     "amp": "Apex AMP; use fp16 or bf16",
     "torch_autocast": "torch.autocast mixed precision; use fp16 or bf16",
@@ -43,7 +42,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "wandb": "Weights & Biases monitoring; use tensorboard or csv_monitor",
     "comet": "Comet monitoring; use tensorboard or csv_monitor",
     "nebula": "Nebula checkpointing",
-    "tensor_parallel": "AutoTP tensor parallelism through the config",
     "hybrid_engine": "the RLHF hybrid engine",
     "sequence_parallel_size": "Ulysses sequence parallelism",
     "sparse_gradients": "sparse (CSR) embedding gradients",
@@ -104,6 +102,8 @@ ACCEPTED_IGNORED_KEYS: tuple[str, ...] = (
     "zero_optimization.pipeline_loading_checkpoint",
     "zero_optimization.override_module_apply",
     "zero_optimization.leaf_module",
+    "pipeline.pipe_partitioned",
+    "pipeline.grad_partitioned",
 )
 """Dotted key paths accepted with any value and no effect."""
 

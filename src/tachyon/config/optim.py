@@ -15,6 +15,12 @@ worth knowing:
   ``warmup_min_ratio`` to 1, then follows a cosine down to ``cos_min_ratio`` (ratios of the
   optimizer's lr); OneCycle cycles the lr ``cycle_min_lr -> cycle_max_lr -> cycle_min_lr`` (and
   momentum the opposite way), then decays by ``decay_lr_rate`` every ``decay_step_size`` steps.
+- ``OneBitAdam`` / ``OneBitLamb`` (DeepSpeed's 1-bit optimizers, `tachyon.engine.optim.onebit`)
+  take DeepSpeed's params with its defaults (``freeze_step: 100000``!). ``cuda_aware`` is accepted
+  and has no effect (torch.distributed needs no CUDA-aware MPI); ``comm_backend_name`` must be
+  ``nccl`` or ``gloo`` (both mean the data-parallel group's own torch.distributed backend).
+  ``eps_inside_sqrt: true``, ``max_grad_norm > 0`` and ``amsgrad: true``, which DeepSpeed accepts
+  and silently ignores, are refused (use ``gradient_clipping`` to clip).
 """
 
 from __future__ import annotations
@@ -85,6 +91,68 @@ class LambParams(Section):
                 f"`optimizer.params.min_coeff` ({self.min_coeff}) must not exceed "
                 f"`optimizer.params.max_coeff` ({self.max_coeff})"
             )
+        return self
+
+
+ONEBIT_COMM_BACKENDS = ("nccl", "gloo")
+"""``comm_backend_name`` values the 1-bit optimizers accept (DeepSpeed's "mpi" / "hccl" are not
+available: tachyon's compressed collectives run on torch.distributed)."""
+
+
+class OneBitAdamParams(Section):
+    """DeepSpeed's OnebitAdam arguments and defaults (deepspeed/runtime/fp16/onebit/adam.py)."""
+
+    lr: NonNegativeFloat = 1e-3
+    freeze_step: PositiveInt = 100000
+    bias_correction: bool = True
+    betas: Betas = (0.9, 0.999)
+    eps: NonNegativeFloat = 1e-8
+    eps_inside_sqrt: bool = False
+    weight_decay: NonNegativeFloat = 0.0
+    max_grad_norm: NonNegativeFloat = 0.0
+    amsgrad: bool = False  # true is refused (the variance is frozen)
+    cuda_aware: bool = False
+    comm_backend_name: str = "nccl"
+
+    @model_validator(mode="after")
+    def _supported(self) -> OneBitAdamParams:
+        if self.comm_backend_name not in ONEBIT_COMM_BACKENDS:
+            raise problem(
+                f"`optimizer.params.comm_backend_name` {self.comm_backend_name!r} is not available; allowed: "
+                f"{', '.join(ONEBIT_COMM_BACKENDS)} (both run torch.distributed collectives on the "
+                "data-parallel group's backend)"
+            )
+        if self.eps_inside_sqrt:
+            raise problem(
+                "`optimizer.params.eps_inside_sqrt: true` is not supported by the 1-bit optimizers "
+                "(DeepSpeed ignores it); remove it or set it to false"
+            )
+        if self.max_grad_norm > 0:
+            raise problem(
+                f"`optimizer.params.max_grad_norm: {self.max_grad_norm}` is not supported by the 1-bit "
+                "optimizers (DeepSpeed ignores it); set it to 0 and use the top-level `gradient_clipping`"
+            )
+        return self
+
+
+class OneBitLambParams(OneBitAdamParams):
+    """DeepSpeed's OnebitLamb arguments and defaults (deepspeed/runtime/fp16/onebit/lamb.py)."""
+
+    max_coeff: PositiveFloat = 10.0
+    min_coeff: NonNegativeFloat = 0.01
+    coeff_beta: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    factor_max: PositiveFloat = 4.0
+    factor_min: NonNegativeFloat = 0.5
+    factor_threshold: NonNegativeFloat = 0.1
+
+    @model_validator(mode="after")
+    def _ranges(self) -> OneBitLambParams:
+        for low, high in (("min_coeff", "max_coeff"), ("factor_min", "factor_max")):
+            if getattr(self, low) > getattr(self, high):
+                raise problem(
+                    f"`optimizer.params.{low}` ({getattr(self, low)}) must not exceed "
+                    f"`optimizer.params.{high}` ({getattr(self, high)})"
+                )
         return self
 
 
@@ -163,6 +231,8 @@ OPTIMIZER_PARAMS: dict[str, type[Section]] = {
     "AdamW": AdamParams,
     "Lamb": LambParams,
     "SGD": SGDParams,
+    "OneBitAdam": OneBitAdamParams,
+    "OneBitLamb": OneBitLambParams,
 }
 """Canonical optimizer name -> model of its ``params``."""
 
@@ -175,8 +245,6 @@ SCHEDULER_PARAMS: dict[str, type[Section]] = {
 """Canonical scheduler name -> model of its ``params``."""
 
 UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
-    "OneBitAdam": "1-bit Adam",
-    "OneBitLamb": "1-bit LAMB",
     "ZeroOneAdam": "0/1 Adam",
     "Adagrad": "Adagrad",
     "Lion": "Lion",

@@ -7,9 +7,11 @@ tachyon refuses or ignores are listed in `tachyon.config.keys`, not here.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field, PlainValidator, model_validator
 
 from .types import (
     BucketSize,
@@ -175,11 +177,106 @@ class FlopsProfilerConfig(Section):
     output_file: str | None = None
 
 
+def _zero_means_one(value: Any) -> Any:
+    # DeepSpeed's AutoTP writes "autotp_size": 0 for "off"
+    return 1 if type(value) is int and value == 0 else value
+
+
+class TensorParallelConfig(Section):
+    """``"tensor_parallel"``: Megatron-style tensor parallelism applied by `tachyon.initialize`
+    (`tachyon.parallel.tensor.parallelize`) over ``tp_size`` adjacent ranks.
+
+    ``tp_size`` and DeepSpeed's AutoTP name ``autotp_size`` are the same setting (0 for
+    ``autotp_size`` means off, i.e. 1; both given must agree). ``sequence_parallel`` splits the
+    hidden states between transformer layers along the sequence (Korthikanti et al. 2022). The
+    data-parallel size is ``world / (pipeline.stages * tp_size)``; see docs/parallelism.md.
+    """
+
+    tp_size: PositiveInt | None = None
+    autotp_size: Annotated[PositiveInt | None, BeforeValidator(_zero_means_one)] = None
+    sequence_parallel: bool = False
+
+    @model_validator(mode="after")
+    def _one_size(self) -> TensorParallelConfig:
+        if self.tp_size is not None and self.autotp_size is not None and self.tp_size != self.autotp_size:
+            raise problem(
+                f"`tensor_parallel.tp_size` ({self.tp_size}) and `tensor_parallel.autotp_size` "
+                f"({self.autotp_size}) name the same setting with different values; keep one"
+            )
+        return self
+
+    @property
+    def size(self) -> int:
+        """The tensor-parallel size (1 when neither key is given)."""
+        return self.tp_size or self.autotp_size or 1
+
+
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "interleaved_1F1B")
+
+
+def _schedule_name(value: Any) -> Any:
+    if isinstance(value, str):
+        key = value.lower().replace("-", "_")
+        return {s.lower(): s for s in PIPELINE_SCHEDULES}.get(key, value)
+    return value
+
+
+def _partition_method(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    if value == "best":  # DeepSpeed's config default: its engine balances parameters
+        return "parameters"
+    if value in ("parameters", "uniform"):
+        return value
+    if value.startswith("type:") and len(value) > len("type:"):
+        try:
+            re.compile(value[len("type:"):])
+        except re.error as error:
+            raise problem(f"`pipeline.partition`: {json.dumps(value)} is not a valid regex ({error})") from None
+        return value
+    raise problem(
+        f"`pipeline.partition` should be \"parameters\" (DeepSpeed's \"best\"), \"uniform\" or "
+        f"\"type:<regex>\"; got {json.dumps(value)}"
+    )
+
+
+def _stages(value: Any) -> int | str:
+    if value == "auto" or (type(value) is int and value >= 1):
+        return value
+    raise problem(f'`pipeline.stages` should be "auto" or an int >= 1; got {json.dumps(value)}')
+
+
+class PipelineConfig(Section):
+    """``"pipeline"``: DeepSpeed's pipeline section, plus ``schedule``.
+
+    ``stages``: pipeline stages (``"auto"``, DeepSpeed's default: the PipelineModule's own
+    ``num_stages``). ``schedule``: ``"1F1B"`` (default), ``"GPipe"`` or ``"interleaved_1F1B"``;
+    its micro-batches are the ``gradient_accumulation_steps``. ``partition`` (``"best"`` =
+    ``"parameters"``), ``seed_layers`` and ``activation_checkpoint_interval`` are the
+    PipelineModule's constructor arguments of the same meaning: ``tachyon train --pp`` builds
+    its PipelineModule with them, and a PipelineModule given to `tachyon.initialize` must agree
+    with any of them the config sets. ``pipe_partitioned`` / ``grad_partitioned`` (DeepSpeed's
+    splitting of the activations sent between stages over tensor-parallel ranks) are accepted
+    and have no effect (`tachyon.config.ACCEPTED_IGNORED_KEYS`).
+    """
+
+    stages: Annotated[int | str, PlainValidator(_stages)] = "auto"
+    schedule: Annotated[Literal["GPipe", "1F1B", "interleaved_1F1B"], BeforeValidator(_schedule_name)] = "1F1B"
+    partition: Annotated[str, BeforeValidator(_partition_method)] = "parameters"
+    seed_layers: bool = False
+    activation_checkpoint_interval: NonNegativeInt = 0
+
+    @property
+    def num_stages(self) -> int | None:
+        """The configured stage count, None for ``"auto"``."""
+        return None if self.stages == "auto" else self.stages
+
+
 class OptimizerConfig(Section):
     """``"optimizer"``: ``type`` is the canonical name; ``params`` holds every parameter of that
     type with DeepSpeed's defaults filled in (see `tachyon.config.optim`)."""
 
-    type: Literal["Adam", "AdamW", "Lamb", "SGD"]
+    type: Literal["Adam", "AdamW", "Lamb", "SGD", "OneBitAdam", "OneBitLamb"]
     params: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -33,12 +33,25 @@ The ``activation_checkpointing`` config section (DeepSpeed's keys) maps onto it 
   `get_profile`; each recomputation is logged at DEBUG, `log_profile` logs the totals at INFO.
 - ``synchronize_checkpoint_boundary``: ``torch.cuda.synchronize()`` before and after every region's
   forward and recomputation (for timing and debugging; a no-op without CUDA).
-- ``partition_activations``: splitting the saved inputs across tensor-parallel ranks. Tensor
-  parallelism is not implemented yet: with no ``mpu`` or a tensor-parallel size of 1 there is
-  nothing to split (accepted, with a warning); an ``mpu`` with a larger size is an error.
-- ``contiguous_memory_optimization``: DeepSpeed copies checkpoints into one preallocated buffer to
-  avoid fragmentation under its reentrant scheme. With non-reentrant checkpointing the saved inputs
-  are ordinary tensors handled by the caching allocator, so it has no effect (warned once).
+- ``partition_activations`` (with ``configure(mpu, ...)`` naming the tensor-parallel group, e.g.
+  ``engine.mpu``): each region's saved inputs are split across the tensor-parallel ranks, every
+  rank keeping 1/tp of each (a contiguous slice of the flattened tensor), and all-gathered over
+  the group when the region is recomputed. A tensor-parallel region's input (the hidden states)
+  is the same on every tp rank, so each rank stores 1/tp of it (Megatron / DeepSpeed's scheme).
+  Inputs that are parameters, not floating point, or whose size tp does not divide are kept
+  whole. Sequence parallelism splits those inputs along the sequence already (they differ per
+  rank), so the two are not combined (a config with both is refused). With no ``mpu`` or a
+  tensor-parallel size of 1 there is nothing to split (accepted, with a warning).
+  With ``cpu_checkpointing`` the kept slice goes to CPU memory.
+- ``contiguous_memory_optimization`` (with ``partition_activations`` over a tensor-parallel
+  group): the kept 1/tp slices are copied one after the other into large preallocated buffers
+  (``number_checkpoints`` slices each, on the slices' device, or in CPU memory with
+  ``cpu_checkpointing``) instead of each into an allocation of its own: DeepSpeed's contiguous
+  checkpointing, against the fragmentation of many long-lived activation slices between
+  short-lived tensors. The buffers are reused from their start once every slice handed out was
+  released (each training step's backward releases all of them), so they stop growing after
+  the first step; `reset` frees them. Without partitioned activations there is nothing to place
+  (accepted, warned once: the non-reentrant checkpoint's whole inputs are ordinary tensors).
 - ``number_checkpoints``: the default number of segments of `checkpoint_sequential`.
 """
 
@@ -49,6 +62,7 @@ import logging
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
@@ -83,11 +97,14 @@ class CheckpointingSettings:
 
 _settings = CheckpointingSettings()
 _configured = False
+_tp: Any = None
+"""The tensor-parallel group partition_activations splits over (a TPGroup), None: no split."""
 _warned: set[str] = set()
 
 
 def _empty_stats() -> dict[str, Any]:
-    return {"calls": 0, "recomputes": 0, "recompute_s": 0.0, "offloaded_tensors": 0, "offloaded_bytes": 0}
+    return {"calls": 0, "recomputes": 0, "recompute_s": 0.0, "offloaded_tensors": 0, "offloaded_bytes": 0,
+            "partitioned_tensors": 0, "partitioned_bytes": 0, "contiguous_buffers": 0, "contiguous_bytes": 0}
 
 
 _stats = _empty_stats()
@@ -133,11 +150,22 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
-def _tensor_parallel_size(mpu: Any) -> int:
-    for name in ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size"):
-        getter = getattr(mpu, name, None)
-        if callable(getter):
-            return int(getter())
+def _tensor_parallel(mpu: Any) -> Any:
+    """The mpu's tensor-parallel group as a TPGroup (size 1: none needed)."""
+    for prefix in ("get_tensor_model_parallel", "get_slice_parallel", "get_model_parallel"):
+        size = getattr(mpu, f"{prefix}_world_size", None)
+        if not callable(size):
+            continue
+        size = int(size())
+        if size == 1:
+            return None
+        rank, group = getattr(mpu, f"{prefix}_rank", None), getattr(mpu, f"{prefix}_group", None)
+        if not (callable(rank) and callable(group)):
+            raise ValueError(f"mpu_ has {prefix}_world_size() = {size} but not {prefix}_rank() and {prefix}_group(), "
+                             "which partition_activations needs to split and gather the saved inputs")
+        from tachyon.parallel.tensor.comm import TPGroup
+
+        return TPGroup(group(), size, int(rank()))
     raise ValueError(
         "mpu_ should have get_tensor_model_parallel_world_size() or get_model_parallel_world_size(); "
         f"got {type(mpu).__name__}"
@@ -161,11 +189,11 @@ def configure(
     partition_activations, contiguous_checkpointing -> contiguous_memory_optimization,
     num_checkpoints -> number_checkpoints, checkpoint_in_cpu -> cpu_checkpointing,
     synchronize -> synchronize_checkpoint_boundary, profile. ``mpu_`` is a model-parallel unit
-    (Megatron-style); only a tensor-parallel size of 1 is supported. Calling it again replaces
-    all settings (keys not given return to their defaults). Raises ValueError (ConfigError for
-    config problems) naming the setting.
+    (Megatron-style, or ``engine.mpu``): partition_activations splits over its tensor-parallel
+    group. Calling it again replaces all settings (keys not given return to their defaults).
+    Raises ValueError (ConfigError for config problems) naming the setting.
     """
-    global _settings, _configured
+    global _settings, _configured, _tp
     section = _section_from(deepspeed_config) if deepspeed_config is not None else ActivationCheckpointingConfig()
     settings = CheckpointingSettings(**section.model_dump())
     overrides = {
@@ -190,25 +218,24 @@ def configure(
             "cpu_checkpointing (checkpoint_in_cpu) needs partition_activations=True, as in DeepSpeed "
             "(CPU checkpointing moves the partitioned activations)"
         )
+    tp = None
     if settings.partition_activations:
-        tp = 1 if mpu_ is None else _tensor_parallel_size(mpu_)
-        if tp > 1:
-            raise ValueError(
-                f"partition_activations with tensor-parallel size {tp} is not supported yet "
-                "(tensor parallelism is not implemented); set partition_activations to false"
+        tp = None if mpu_ is None else _tensor_parallel(mpu_)
+        if tp is None:
+            _warn_once(
+                "partition",
+                "activation_checkpointing.partition_activations has no effect with tensor-parallel size 1: "
+                "there is nothing to partition across",
             )
-        _warn_once(
-            "partition",
-            "activation_checkpointing.partition_activations has no effect with tensor-parallel size 1: "
-            "there is nothing to partition across",
-        )
-    if settings.contiguous_memory_optimization:
+    if settings.contiguous_memory_optimization and tp is None:
         _warn_once(
             "contiguous",
-            "activation_checkpointing.contiguous_memory_optimization has no effect: tachyon's non-reentrant "
-            "checkpointing leaves the saved inputs to the caching allocator",
+            "activation_checkpointing.contiguous_memory_optimization has no effect without partition_activations "
+            "over a tensor-parallel group: it places the partitioned slices in preallocated buffers, and tachyon's "
+            "non-reentrant checkpointing leaves whole inputs to the caching allocator",
         )
-    _settings, _configured = settings, True
+    _settings, _configured, _tp = settings, True, tp
+    _buffers.clear()
     logger.info("activation checkpointing configured: %s", asdict(settings))
 
 
@@ -223,10 +250,12 @@ def get_settings() -> CheckpointingSettings:
 
 
 def reset() -> None:
-    """Back to the unconfigured defaults; clears the profile counters and the warn-once memory."""
-    global _settings, _configured, _stats
-    _settings, _configured, _stats = CheckpointingSettings(), False, _empty_stats()
+    """Back to the unconfigured defaults; clears the profile counters and the warn-once memory,
+    and frees contiguous_memory_optimization's buffers."""
+    global _settings, _configured, _stats, _tp
+    _settings, _configured, _stats, _tp = CheckpointingSettings(), False, _empty_stats(), None
     _warned.clear()
+    _buffers.clear()
 
 
 # --------------------------------------------------------------------------- profile
@@ -236,7 +265,10 @@ def get_profile() -> dict[str, Any]:
     """Counters since the last reset: ``calls`` (checkpointed forwards), ``recomputes``,
     ``recompute_s`` (seconds recomputing; measured only with profile on, else 0.0),
     ``offloaded_tensors`` / ``offloaded_bytes`` (region inputs stored through the CPU
-    checkpointing hook; inputs already in CPU memory are counted and kept as they are)."""
+    checkpointing hook; inputs already in CPU memory are counted and kept as they are),
+    ``partitioned_tensors`` / ``partitioned_bytes`` (inputs split by partition_activations and
+    the bytes this rank keeps of them), ``contiguous_buffers`` / ``contiguous_bytes`` (buffers
+    contiguous_memory_optimization allocated, and their size)."""
     return dict(_stats)
 
 
@@ -285,6 +317,89 @@ def _unpack_from_cpu(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
+class _Slot:
+    """A slice handed out by a `_Pool`; the pool counts it live until this object is released."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class _Pool:
+    """contiguous_memory_optimization's buffers of one (device, dtype) (module docstring): slices
+    are handed out in order, each a view of a buffer; a buffer that cannot fit the next slice is
+    left for the next one (a new buffer is allocated after the last); everything is handed out
+    again from the first buffer once no slice is live."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.index = self.offset = self.live = 0
+
+    def _release(self) -> None:
+        self.live -= 1
+
+    def take(self, source: torch.Tensor, device: torch.device) -> _Slot:
+        numel = source.numel()
+        if self.live == 0:
+            self.index = self.offset = 0
+        while self.index < len(self.buffers) and self.offset + numel > self.buffers[self.index].numel():
+            self.index, self.offset = self.index + 1, 0
+        if self.index == len(self.buffers):
+            size = numel * (_settings.number_checkpoints or 8)
+            pin = device.type == "cpu" and torch.cuda.is_available()
+            self.buffers.append(torch.empty(size, dtype=source.dtype, device=device, pin_memory=pin))
+            _stats["contiguous_buffers"] += 1
+            _stats["contiguous_bytes"] += size * source.element_size()
+        view = self.buffers[self.index].narrow(0, self.offset, numel)
+        view.copy_(source.reshape(-1), non_blocking=True)
+        self.offset += numel
+        self.live += 1
+        slot = _Slot(view)
+        weakref.finalize(slot, self._release)
+        return slot
+
+
+_buffers: dict[tuple[torch.device, torch.dtype], _Pool] = {}
+
+
+def _pack_partitioned(tensor: torch.Tensor) -> tuple:
+    """Keep this rank's 1/tp slice of a region input (module docstring): in a contiguous buffer
+    with contiguous_memory_optimization, in CPU memory with cpu_checkpointing. Saved: the slice,
+    the shape and the device."""
+    tp = _tp
+    whole = (tp is None or tensor.numel() % tp.size or not tensor.is_floating_point()
+             or (tensor.is_leaf and tensor.requires_grad))  # parameters: sharded ones differ per rank
+    if whole:
+        return ("whole", _pack_to_cpu(tensor) if _settings.cpu_checkpointing else tensor)
+    part = tensor.detach().reshape(-1).chunk(tp.size)[tp.rank]
+    _stats["partitioned_tensors"] += 1
+    _stats["partitioned_bytes"] += part.numel() * part.element_size()
+    if _settings.contiguous_memory_optimization:
+        where = torch.device("cpu") if _settings.cpu_checkpointing else part.device
+        if _settings.cpu_checkpointing:
+            _stats["offloaded_tensors"] += 1
+            _stats["offloaded_bytes"] += part.numel() * part.element_size()
+        pool = _buffers.setdefault((where, part.dtype), _Pool())
+        return ("slot", tensor.shape, tensor.device, pool.take(part, where))
+    part = part.clone()
+    return ("part", tensor.shape, _pack_to_cpu(part) if _settings.cpu_checkpointing else (part.device, part))
+
+
+def _unpack_partitioned(packed: tuple) -> torch.Tensor:
+    if packed[0] == "whole":
+        return _unpack_from_cpu(packed[1]) if _settings.cpu_checkpointing else packed[1]
+    from tachyon.parallel.tensor.comm import all_gather_along
+
+    if packed[0] == "slot":
+        _, shape, device, slot = packed
+        part = slot.tensor.to(device, non_blocking=True)
+    else:
+        _, shape, stored = packed
+        part = _unpack_from_cpu(stored)
+    return all_gather_along(part, _tp, 0).view(shape)
+
+
 _FP8_CONTEXT_FN = fp8_checkpoint_context_fn()
 
 
@@ -322,7 +437,8 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``function(*args, **kwargs)``, keeping only its inputs for backward.
 
     Returns what ``function`` returns (same shapes and dtypes). Saved for backward: the tensor
-    inputs (in CPU memory with cpu_checkpointing), the CPU/CUDA RNG states and, for each FP8 GEMM
+    inputs (1/tp of each with partition_activations over a tensor-parallel group; in CPU memory
+    with cpu_checkpointing), the CPU/CUDA RNG states and, for each FP8 GEMM
     call inside, the 0-dim scales it used; the function runs again in the backward with the same
     RNG state and the same fp8_autocast settings and scales (tachyon.fp8.checkpoint). Without grad
     enabled it simply runs the function.
@@ -331,11 +447,12 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise ValueError(f"checkpoint: function must be callable; got {type(function).__name__}")
     _stats["calls"] += 1
     region = _Region(function, _settings.profile)
-    storage = (
-        torch.autograd.graph.saved_tensors_hooks(_pack_to_cpu, _unpack_from_cpu)
-        if _settings.cpu_checkpointing
-        else nullcontext()
-    )
+    if _settings.partition_activations and _tp is not None:
+        storage = torch.autograd.graph.saved_tensors_hooks(_pack_partitioned, _unpack_partitioned)
+    elif _settings.cpu_checkpointing:
+        storage = torch.autograd.graph.saved_tensors_hooks(_pack_to_cpu, _unpack_from_cpu)
+    else:
+        storage = nullcontext()
     _synchronize_boundary()
     with storage:
         out = torch_checkpoint.checkpoint(

@@ -26,6 +26,20 @@ DeepSpeed's ``Train/Samples/*`` events every step; ``wall_clock_breakdown`` time
 backward, reduce and step; the ``flops_profiler`` section profiles one step's FLOPs and latency
 (`tachyon.profiling.FlopsProfiler`).
 
+Tensor and pipeline parallelism (``mesh``, from `tachyon.initialize`; docs/parallelism.md): the
+model arrives already split (`tachyon.parallel.tensor.parallelize`) or as this rank's pipeline
+stages (`tachyon.parallel.pipeline.PipelineModule`); ``engine.comm`` is the mesh's data-parallel
+axis, so ZeRO partitions over the copies of the same model part. The global gradient norm counts
+every parameter of the whole model once (`tachyon.engine.zero.model_parallel`) and an fp16
+overflow on any rank skips the step everywhere. A PipelineModule is trained with DeepSpeed's
+``engine.train_batch(data_iter)`` (one optimizer step over ``gradient_accumulation_steps``
+micro-batches run by the ``pipeline.schedule``; `tachyon.engine.pipeline`) and evaluated with
+``engine.eval_batch``; ``forward`` / ``backward`` / ``step`` are refused there, as in DeepSpeed.
+
+An optimizer with a boolean ``in_compression_stage`` (1-bit Adam / LAMB) gets, while it is True,
+this rank's own gradient at ZeRO stage 0: the engine skips the data-parallel averaging and the
+optimizer communicates compressed gradients itself (`ZeroStrategy.set_local_gradients`).
+
 Progressive layer drop (``progressive_layer_drop`` section, `tachyon.engine.pld`): in training
 mode the engine adds ``progressive_layer_drop=True, pld_theta=engine.get_pld_theta()`` to the
 model's forward (a model whose forward cannot take them is refused at initialize), and
@@ -44,14 +58,18 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from tachyon.config import ConfigError, TachyonConfig
+from tachyon.parallel.pipeline import PipelineModule
 
+from . import pipeline
 from .lr_schedules import build_scheduler
+from .onebit_hooks import bind_onebit_optimizer
 from .optim import build_optimizer
 from .optim.lamb import Lamb
 from .pld import PLD_KWARGS, ProgressiveLayerDrop, UnusedParameterGuard
 from .precision import DTYPES, Precision, build_precision
 from .telemetry import EngineTelemetry
 from .zero import DataParallelComm, ZeroStrategy, build_zero_strategy
+from .zero.model_parallel import ModelParallelSum, duplicate_parameters
 
 CLIP_EPS = 1e-6
 """clip coefficient = max_norm / (norm + CLIP_EPS), as in torch.nn.utils.clip_grad_norm_."""
@@ -71,6 +89,8 @@ class Engine(torch.nn.Module):
         lr_scheduler: a scheduler, a callable taking the optimizer, or None (the config's).
         training_data: a torch Dataset; ``engine.training_dataloader`` then iterates it.
         collate_fn: passed to the DataLoader.
+        mesh: the tachyon Mesh (or mpu view) the model is split over; None for plain data
+            parallelism. ``comm`` must be its data-parallel axis.
     """
 
     def __init__(
@@ -85,12 +105,16 @@ class Engine(torch.nn.Module):
         lr_scheduler: Any = None,
         training_data: Any = None,
         collate_fn: Any = None,
+        mesh: Any = None,
     ):
         check_engine_inputs(model, config, optimizer, lr_scheduler)
         super().__init__()
         self.module = model
         self.config = config
         self.comm = comm
+        self.mesh = mesh
+        self.world_comm = comm if mesh is None else _world_comm()
+        """All ranks of the job: fp16 overflow agreement, checkpoints."""
         self.device = device
         self.global_steps = 0
         self.micro_steps = 0
@@ -118,7 +142,16 @@ class Engine(torch.nn.Module):
             gradient_predivide_factor=config.gradient_predivide_factor,
             prescale_gradients=config.prescale_gradients,
         )
+        if mesh is not None and (mesh.size("tp") > 1 or mesh.size("pp") > 1):
+            self.zero.set_model_parallel(ModelParallelSum(mesh), duplicate_parameters(model, mesh))
         self.optimizer = _bind_optimizer(optimizer, config, self.zero)
+        precision = self.precision  # not self: the strategy must not keep the engine alive
+        if not bind_onebit_optimizer(self.optimizer, self.zero, loss_scale=lambda: precision.loss_scale) \
+                and hasattr(self.optimizer, "in_compression_stage"):
+            bound = self.optimizer
+            self.zero.set_local_gradients(lambda: bool(bound.in_compression_stage))
+        self.schedule = pipeline.build_schedule(model, config, device, self.precision) if self.is_pipeline else None
+        self._data_iterator: Any = None
         self.lr_scheduler = _build_scheduler(lr_scheduler, config, self.optimizer)
         pld = config.progressive_layer_drop
         self.progressive_layer_drop = ProgressiveLayerDrop(pld.theta, pld.gamma) if pld.enabled else None
@@ -129,9 +162,25 @@ class Engine(torch.nn.Module):
         )
 
     # ------------------------------------------------------------------ training loop
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+    @property
+    def is_pipeline(self) -> bool:
+        """Whether the model is a PipelineModule (trained with train_batch, DeepSpeed's PipelineEngine)."""
+        return isinstance(self.module, PipelineModule)
+
+    def _refuse_in_pipeline(self, name: str) -> None:
+        if self.is_pipeline:
+            raise RuntimeError(
+                f"engine.{name}() is not available when training a PipelineModule: only train_batch() and eval_batch() "
+                "are (DeepSpeed's pipeline engine); the schedule runs the forward and backward of every micro-batch"
+            )
+
+    def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this engine was destroyed (engine.destroy()); create a new one with tachyon.initialize")
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._check_alive()
+        self._refuse_in_pipeline("forward")
         if self.progressive_layer_drop is not None and self.module.training:
             given = [key for key in PLD_KWARGS if key in kwargs]
             if given:
@@ -147,6 +196,7 @@ class Engine(torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` / gradient_accumulation_steps (times the loss scale); reduces
         the gradients on the accumulation boundary. Returns ``loss`` unchanged."""
+        self._refuse_in_pipeline("backward")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"loss should be a scalar tensor; got {_describe(loss)}")
         if not loss.requires_grad:
@@ -168,6 +218,7 @@ class Engine(torch.nn.Module):
         """Count a micro-step; on the accumulation boundary update the weights (unless fp16
         overflowed), step the lr schedule and clear the gradients; then report the step
         (`tachyon.engine.telemetry`: collective on print steps)."""
+        self._refuse_in_pipeline("step")
         if self.is_gradient_accumulation_boundary():
             with self.telemetry.phase("step"):
                 self._take_model_step()
@@ -179,7 +230,7 @@ class Engine(torch.nn.Module):
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: pass optimizer= or a config 'optimizer' section")
         grads = self.zero.master_grads()
-        overflow = self.precision.unscale_and_check(grads, self.comm)
+        overflow = self.precision.unscale_and_check(grads, self.world_comm)
         if overflow:
             self.skipped_steps += 1
             self._grad_norm = None
@@ -208,6 +259,44 @@ class Engine(torch.nn.Module):
         self.zero.zero_grad()
         if self._unused_guard is not None:
             self._unused_guard.reset()
+
+    # ------------------------------------------------------------------ pipelines
+    def train_batch(self, data_iter: Any = None) -> torch.Tensor:
+        """One optimizer step of a PipelineModule (DeepSpeed's name): the ``pipeline.schedule``
+        runs ``gradient_accumulation_steps`` micro-batches, each an ``(inputs, labels)`` item of
+        ``data_iter`` (default: the engine's training dataloader, repeated), then the boundary
+        step (data-parallel reduction / ZeRO, clipping, optimizer, lr schedule); see
+        `tachyon.engine.pipeline`. Only the ranks of the first and last stage read ``data_iter``.
+        Returns the batch's mean loss averaged over the data-parallel ranks, on every rank (fp32
+        scalar)."""
+        self._check_alive()
+        if self.schedule is None:
+            raise RuntimeError("engine.train_batch() trains a PipelineModule; this engine's model is a "
+                               f"{type(self.module).__name__}: use engine(...), engine.backward(loss), engine.step()")
+        return pipeline.train_batch(self, data_iter)
+
+    def eval_batch(self, data_iter: Any = None, return_logits: bool = False):
+        """Forward only over ``gradient_accumulation_steps`` micro-batches of a PipelineModule, in
+        eval mode (DeepSpeed's name). Returns the mean loss averaged over the data-parallel ranks
+        (every rank), and with ``return_logits`` also the last stage's outputs (None elsewhere)."""
+        self._check_alive()
+        if self.schedule is None:
+            raise RuntimeError("engine.eval_batch() evaluates a PipelineModule; call the engine (or the model) "
+                               "under torch.no_grad() instead")
+        return pipeline.eval_batch(self, data_iter, return_logits)
+
+    def is_first_stage(self) -> bool:
+        """Whether this rank runs the first pipeline stage (True without a pipeline)."""
+        return not self.is_pipeline or self.module.is_first_stage
+
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last pipeline stage (True without a pipeline)."""
+        return not self.is_pipeline or self.module.is_last_stage
+
+    @property
+    def mpu(self) -> Any:
+        """DeepSpeed's / Megatron's getters over the engine's mesh (None without one)."""
+        return None if self.mesh is None else self.mesh.mpu
 
     def set_tokens_per_sample(self, tokens: int | None) -> None:
         """Tokens in one sample (e.g. the sequence length): the step line then shows tokens/s.
@@ -312,7 +401,7 @@ class Engine(torch.nn.Module):
         self.telemetry.close()
         if self._unused_guard is not None:
             self._unused_guard.release()
-        group = self.comm.group
+        group = self.comm.group if self.mesh is None else None  # a mesh's groups are the mesh's
         if group is not None:
             from tachyon.parallel.distributed import destroy_group
 
@@ -352,6 +441,12 @@ def check_engine_inputs(model: Any, config: TachyonConfig, optimizer: Any, lr_sc
         raise ValueError("optimizer already has state; pass a freshly built optimizer")
     if config.progressive_layer_drop.enabled:
         _check_pld_forward(model)
+
+
+def _world_comm() -> DataParallelComm:
+    from tachyon.parallel.distributed import get_timeout
+
+    return DataParallelComm(None, get_timeout())
 
 
 def _check_pld_forward(model: torch.nn.Module) -> None:

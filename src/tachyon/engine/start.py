@@ -3,9 +3,13 @@
     engine, optimizer, dataloader, lr_scheduler = tachyon.initialize(
         model=model, config="ds_config.json", training_data=dataset)
 
-Order matters: the config is loaded and checked (for the world size the job will have) before
-any process group is created and before the model, its parameters or an optimizer are touched,
-so a bad config fails fast and leaves everything as it was.
+Order matters: the config is loaded and checked (for the world size the job will have), and the
+parallel layout resolved and checked against the model (`tachyon.parallel.layout`), before any
+process group is created and before the model, its parameters or an optimizer are touched, so a
+bad config or layout fails fast and leaves everything as it was. Then, in torchtitan's order:
+the mesh, tensor parallelism applied to the model (``parallelize``), and the engine, whose ZeRO
+strategy builds its flat buffers from the (already split) local parameters and reduces over the
+mesh's data-parallel axis.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tachyon.config import ConfigError, load_config
+from tachyon.config import ConfigError, load_config, parse_config
 
 from .engine import Engine, check_engine_inputs
+from .pipeline import check_parallel_inputs
 from .zero import DataParallelComm
 
 
@@ -47,7 +52,9 @@ def initialize(
         training_data: a torch Dataset; the returned DataLoader shards it over the
             data-parallel ranks (DistributedSampler) in micro-batches.
         lr_scheduler: a scheduler or a callable taking the optimizer; None: the config's.
-        mpu: tensor/pipeline-parallel topology: not supported yet (must be None).
+        mpu: the tensor / pipeline / data-parallel groups (a Megatron or DeepSpeed mpu, or
+            ``tachyon.parallel.Mesh(...).mpu``); None: from a PipelineModule's mesh or the
+            config's ``pipeline`` / ``tensor_parallel`` sections (`tachyon.parallel.layout`).
         dist_init_required: None: start torch.distributed when RANK and WORLD_SIZE are in the
             environment and it is not running yet; True: require that; False: never.
         collate_fn: for the DataLoader.
@@ -55,23 +62,34 @@ def initialize(
         config_params: DeepSpeed's older name for ``config``.
 
     Returns ``(engine, optimizer, dataloader, lr_scheduler)``; the last three may be None.
-    Raises ConfigError (naming the key) for a bad config and ValueError for bad arguments,
-    before any state is created.
+    Raises ConfigError (naming the key) for a bad config and ValueError for bad arguments or a
+    layout that does not fit the model, before any state is created.
     """
+    from tachyon.parallel.layout import build_mesh, check_layout, check_mpu, resolve_layout
+
     if model is None:
         raise ValueError("initialize() needs model=")
-    if mpu is not None:
-        raise ValueError("tensor/pipeline parallel mpu not supported yet; pass mpu=None")
     if dist_init_required not in (None, True, False):
         raise ValueError(f"dist_init_required should be None, True or False; got {dist_init_required!r}")
     source = _config_source(args, config, config_params)
     world_size, must_init = _planned_world(dist_init_required)
-    cfg = load_config(source, world_size)
+    parsed = parse_config(source)
+    if mpu is not None:
+        check_mpu(mpu)
+    layout = resolve_layout(model, mpu, parsed, world_size)
+    cfg = load_config(parsed, world_size, data_parallel_size=layout.dp)
     check_engine_inputs(model, cfg, optimizer, lr_scheduler)
+    check_parallel_inputs(model, cfg, layout, optimizer)
+    check_layout(model, layout)
 
     if must_init:
         _init_distributed()
-    comm = _data_parallel_comm()
+    mesh = build_mesh(layout, model, mpu)
+    if mesh is not None and layout.tp > 1 and getattr(model, "_tachyon_tp", None) is None:
+        from tachyon.parallel.tensor import parallelize
+
+        parallelize(model, mesh, sequence_parallel=layout.sequence_parallel)
+    comm = _data_parallel_comm() if mesh is None else _mesh_comm(mesh)
     engine = Engine(
         model,
         cfg,
@@ -82,6 +100,7 @@ def initialize(
         lr_scheduler=lr_scheduler,
         training_data=training_data,
         collate_fn=collate_fn,
+        mesh=mesh,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
@@ -136,7 +155,7 @@ def _init_distributed() -> None:
 
 
 def _data_parallel_comm() -> DataParallelComm:
-    """The data-parallel group: every rank (no tensor/pipeline parallelism yet), created through
+    """The data-parallel group: every rank (the layout has no tensor or pipeline axis), created through
     tachyon.parallel.distributed.new_group so it gets tachyon's timeout (DeepSpeed forgets it
     for this group)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -145,6 +164,15 @@ def _data_parallel_comm() -> DataParallelComm:
 
     group = new_group(ranks=range(dist.get_world_size()))
     return DataParallelComm(group, get_timeout())
+
+
+def _mesh_comm(mesh: Any) -> DataParallelComm:
+    """The mesh's data-parallel axis (its group belongs to the mesh: the engine does not destroy it)."""
+    from tachyon.parallel.distributed import get_timeout
+
+    if mesh.size("dp") == 1:
+        return DataParallelComm.single()
+    return DataParallelComm(mesh.group("dp"), get_timeout())
 
 
 def _device() -> torch.device:

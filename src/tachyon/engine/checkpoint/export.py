@@ -18,6 +18,7 @@ import torch
 from torch.distributed import checkpoint as dcp
 
 from . import manifest as mf
+from .boxes import logical_shape
 from .meta import parse_meta
 from .state import MASTER, MODEL, dtype_of
 
@@ -38,9 +39,10 @@ def resolve_checkpoint(checkpoint_dir, tag: Any = None) -> Path:
 def export_model_state_dict(checkpoint_dir, tag: Any = None) -> dict[str, torch.Tensor]:
     """The model's ``state_dict()`` rebuilt from a checkpoint, in one process, with no engine:
     trained parameters as their fp32 master weights in their own shapes, frozen parameters and
-    buffers as saved. Keys are the module's ``state_dict()`` keys (tied weights under each key,
-    sharing one tensor), so ``load_state_dict(strict=True)`` accepts it. Every file is checked
-    against the manifest first."""
+    buffers as saved, all at their full (unsplit) shapes whatever the (dp, pp, tp) layout that
+    saved them. Keys are the module's ``state_dict()`` keys (tied weights under each key,
+    sharing one tensor; a PipelineModule's layout-free names), so ``load_state_dict(strict=True)``
+    accepts it. Every file is checked against the manifest first."""
     ckpt = resolve_checkpoint(checkpoint_dir, tag)
     manifest = mf.read_manifest(ckpt)
     error = mf.verify_files(ckpt, manifest)
@@ -48,9 +50,10 @@ def export_model_state_dict(checkpoint_dir, tag: Any = None) -> dict[str, torch.
         raise mf.CheckpointError(error)
     meta = parse_meta((ckpt / mf.META).read_text(), ckpt / mf.META)
     shapes = {p["name"]: p["shape"] for p in meta["params"]}
+    version = int(meta.get("version", 1))
     request: dict[str, torch.Tensor] = {}
     for p in meta["params"]:
-        request[MASTER + p["name"]] = torch.empty(p["numel"], dtype=torch.float32)
+        request[MASTER + p["name"]] = torch.empty(logical_shape(tuple(p["shape"]), version), dtype=torch.float32)
     for key, entry in meta["model_keys"].items():
         if entry["source"] == "model":
             request[MODEL + key] = torch.empty(entry["shape"], dtype=dtype_of(entry["dtype"]))
@@ -83,21 +86,57 @@ def _unique_views(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """The whole model's ``state_dict()`` (model dtype, full shapes, the module's names; a
+    PipelineModule's layout-free ones) on global rank 0, None on the other ranks. Collective:
+    every rank calls it; tensor-parallel shards are all-gathered over tp and the pipeline stages
+    gathered to rank 0 (the data-parallel copies are equal: the first one's is used)."""
+    mesh = engine.mesh
+    if mesh is None:
+        return engine.module.state_dict() if engine.world_comm.rank == 0 else None
+    if engine.comm.rank != 0:
+        return None
+    from tachyon.parallel.tensor import full_state_dict, tp_group
+
+    tp = tp_group(mesh)
+    state = full_state_dict(engine.module, tp) if tp.size > 1 else engine.module.state_dict()
+    if tp.rank != 0:
+        return None
+    if mesh.size("pp") == 1:
+        return state
+    import torch.distributed as dist
+
+    state = {k: v.detach().cpu() for k, v in state.items() if torch.is_tensor(v)}
+    group = mesh.group("pp")
+    stages: list = [None] * mesh.size("pp") if dist.get_rank() == 0 else None
+    dist.gather_object(state, stages, dst=0, group=group)
+    if dist.get_rank() != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in stages:
+        for key, value in part.items():
+            merged.setdefault(key, value)  # tied modules: every stage holding one has the same weights
+    return merged
+
+
 def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors") -> str | None:
     """Write the module's weights in the model dtype (fp16/bf16 when training in it, else fp32)
-    to ``save_dir/save_filename`` on rank 0 (DeepSpeed's save_16bit_model). ``.safetensors``
-    files get transformers' metadata and, when the module has ``config.save_pretrained``, its
+    to ``save_dir/save_filename`` on rank 0 (DeepSpeed's save_16bit_model), whole: tensor- and
+    pipeline-parallel parts are gathered (`consolidated_state_dict`); tensors only (a module's
+    non-tensor ``_extra_state``, such as FP8 metadata, is left out). ``.safetensors`` files
+    get transformers' metadata and, when the module has ``config.save_pretrained``, its
     ``config.json`` beside them, so ``from_pretrained(save_dir)`` loads them; other names are
-    written with torch.save. Every rank must call this (the weights are whole on every rank
-    after a step; ranks then wait for rank 0). Returns the file path on rank 0, None elsewhere."""
+    written with torch.save. Every rank must call this (ranks then wait for rank 0). Returns the
+    file path on rank 0, None elsewhere."""
     if not isinstance(save_filename, str) or not save_filename or "/" in save_filename:
         raise ValueError(f"save_filename={save_filename!r} should be a file name such as 'model.safetensors'")
-    comm = engine.comm
+    comm = engine.world_comm
+    state = consolidated_state_dict(engine)
     path = None
     error = None
     if comm.rank == 0:
         try:
-            path = _write_module(engine.module, Path(save_dir), save_filename)
+            path = _write_state(state, getattr(engine.module, "config", None), Path(save_dir), save_filename)
         except Exception as exc:
             error = f"save_16bit_model failed on rank 0: {type(exc).__name__}: {exc}"
     from .meta import agree
@@ -106,9 +145,11 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
     return path
 
 
-def _write_module(module: torch.nn.Module, save_dir: Path, save_filename: str) -> str:
+def _write_state(state: dict[str, torch.Tensor], config: object, save_dir: Path, save_filename: str) -> str:
     save_dir.mkdir(parents=True, exist_ok=True)
-    state = _unique_views(module.state_dict())
+    # weights only: non-tensor entries (the FP8 metadata tachyon.nn modules keep in _extra_state)
+    # cannot go into safetensors, and a weights file is loaded with strict=False or by name
+    state = _unique_views({k: v for k, v in state.items() if torch.is_tensor(v)})
     state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
     target = save_dir / save_filename
     tmp = save_dir / f"{mf.TMP_PREFIX}{save_filename}.{secrets.token_hex(4)}"
@@ -119,7 +160,6 @@ def _write_module(module: torch.nn.Module, save_dir: Path, save_filename: str) -
     else:
         torch.save(state, tmp)
     os.replace(tmp, target)
-    config = getattr(module, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         config.save_pretrained(str(save_dir))
     return str(target)

@@ -27,7 +27,9 @@ from torch.distributed import checkpoint as dcp
 from . import manifest as mf
 from .meta import agree, check_compatible, gather, parse_meta, restore_options, validate_tags
 from .save import check_storage_config
-from .state import commit, load_targets, set_rng_state
+from tachyon.engine.onebit_hooks import load_error_feedback
+
+from .state import commit, load_targets, param_names, set_rng_state
 
 logger = logging.getLogger("tachyon.checkpoint")
 
@@ -56,7 +58,7 @@ def load_checkpoint(
     the file) for a missing, incomplete, corrupted or mismatching checkpoint; the engine is
     then unchanged on every rank.
     """
-    comm = engine.comm
+    comm = engine.world_comm
     rank, world = comm.rank, comm.world_size
     check_storage_config(engine)
     load_dir = Path(load_dir)
@@ -80,13 +82,15 @@ def load_checkpoint(
 
     # 2. validate, on every rank, before anything changes
     meta, error = None, None
+    all_names = set().union(*gather(comm, param_names(engine)))
     try:
         manifest = mf.read_manifest(ckpt)
         error = mf.verify_files(ckpt, manifest, rank, world)
         if error is None:
             meta = parse_meta((ckpt / mf.META).read_text(), ckpt / mf.META)
             check_compatible(
-                engine, meta, optimizer=load_optimizer_states, module_only=load_module_only, where=str(ckpt)
+                engine, meta, optimizer=load_optimizer_states, module_only=load_module_only, where=str(ckpt),
+                all_names=all_names,
             )
     except (mf.CheckpointError, OSError, KeyError, TypeError, ValueError) as exc:
         error = str(exc) if isinstance(exc, mf.CheckpointError) else f"{ckpt}: {type(exc).__name__}: {exc}"
@@ -95,9 +99,7 @@ def load_checkpoint(
     # 3. read into fresh tensors
     targets, extra, rng, error = None, None, None, None
     try:
-        targets = load_targets(
-            engine, meta, rank=rank, world_size=world, optimizer=load_optimizer_states, module_only=load_module_only
-        )
+        targets = load_targets(engine, meta, optimizer=load_optimizer_states, module_only=load_module_only)
         with mf.quiet_dcp():
             dcp.load(
                 targets.dcp_state,
@@ -119,6 +121,7 @@ def load_checkpoint(
     commit(engine, meta, targets, optimizer=load_optimizer)
     if load_optimizer:
         restore_options(engine, meta)
+        load_error_feedback(engine.optimizer, (rng or {}).get("onebit_error_feedback"))
     if not load_module_only:
         _restore_training_state(engine, meta, extra, rng, load_lr_scheduler_states, rank)
     return str(ckpt), extra.get("client_state") if isinstance(extra, dict) else None

@@ -37,7 +37,9 @@ import torch
 from torch.distributed import checkpoint as dcp
 
 FORMAT = "tachyon-checkpoint"
-VERSION = 1
+VERSION = 2
+"""2: parameters stored at their full shape as 2-D logical tensors (boxes.py); 1: flat (read too)."""
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 META = "meta.json"
 EXTRA = "extra_state.pt"
@@ -195,8 +197,9 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if manifest.get("format") != FORMAT or not isinstance(files, dict):
         raise CheckpointError(f"{path} is not a {FORMAT} manifest")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path}: format version {manifest.get('version')!r}; this tachyon reads {VERSION}")
+    if manifest.get("version") not in READABLE_VERSIONS:
+        raise CheckpointError(f"{path}: format version {manifest.get('version')!r}; this tachyon reads "
+                              f"{', '.join(map(str, READABLE_VERSIONS))}")
     for rel, entry in files.items():
         if (
             not isinstance(rel, str) or rel.startswith("/") or ".." in Path(rel).parts
@@ -232,11 +235,9 @@ def verify_files(ckpt_dir: Path, manifest: dict[str, Any], rank: int = 0, world_
 
 @contextlib.contextmanager
 def quiet_dcp():
-    """DCP warns that it runs without a process group (intended here: one process) and that
-    ShardedTensor is deprecated (see state.py for why it is used)."""
+    """DCP warns that it runs without a process group (intended here: one process)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
         yield
 
 
@@ -281,7 +282,23 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
 
 class TensorsOnlyLoadPlanner(dcp.DefaultLoadPlanner):
-    """Refuses pickled (non-tensor) entries: the state we request holds only tensors."""
+    """Refuses pickled (non-tensor) entries: the state we request holds only tensors (plain, or
+    `tachyon.engine.checkpoint.boxes.Boxes` of a logical tensor)."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        from .boxes import Boxes
+
+        # DCP's set-up replaces, in place, every value it does not know (a Boxes) by None
+        boxes = {key: value for key, value in state_dict.items() if isinstance(value, Boxes)}
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        state_dict.update(boxes)
+        self.state_dict.update(boxes)
+
+    def lookup_tensor(self, index) -> torch.Tensor:
+        from .boxes import lookup_box
+
+        found = lookup_box(self.state_dict, index)
+        return found if found is not None else super().lookup_tensor(index)
 
     def load_bytes(self, read_item, value) -> None:
         raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object, not a tensor")

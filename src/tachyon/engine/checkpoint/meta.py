@@ -1,8 +1,9 @@
 """meta.json (what a checkpoint holds besides tensors), client-state checks, rank agreement.
 
 meta.json is plain JSON written by rank 0: step counters, precision and ZeRO settings of the
-run that saved, the trained-parameter table (name, shape, group), the ``module.state_dict()``
-key map, and per optimizer param group its hyperparameters and which state keys exist.
+run that saved, its (dp, pp, tp) layout, the trained-parameter table (name, full shape, group)
+and the ``module.state_dict()`` key map (both merged over every rank: a pipeline rank knows its
+own stage only), and per optimizer param group its hyperparameters and which state keys exist.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .manifest import FORMAT, VERSION, CheckpointError
-from .state import dtype_name, flat_state_keys, model_state_keys, param_names
+from .state import dtype_name, flat_state_keys, full_shape, model_state_keys, param_names
 
 logger = logging.getLogger("tachyon.checkpoint")
 
@@ -40,8 +41,32 @@ def _restore_float(value: Any) -> Any:
     return float(value) if value in ("inf", "-inf", "nan") else value
 
 
-def build_meta(engine, tag: str, world_size: int) -> dict[str, Any]:
-    """meta.json's content for ``engine`` now."""
+def local_tables(engine) -> dict[str, Any]:
+    """This rank's part of meta.json's parameter table and state_dict key map (full shapes)."""
+    params = [
+        {"name": n, "shape": full_shape(s.param), "numel": math.prod(full_shape(s.param)), "group": s.group,
+         "dtype": dtype_name(s.param.dtype)}
+        for n, s in zip(param_names(engine), engine.zero.flat.slots)
+    ]
+    return {"params": params, "model_keys": model_state_keys(engine)}
+
+
+def _merge(tables: list[dict[str, Any]]) -> tuple[list[dict], dict[str, dict]]:
+    params: dict[str, dict] = {}
+    keys: dict[str, dict] = {}
+    for table in tables:
+        for entry in table["params"]:
+            seen = params.setdefault(entry["name"], entry)
+            if seen["shape"] != entry["shape"]:
+                raise ValueError(f"ranks disagree on the full shape of {entry['name']!r}: {seen['shape']} vs {entry['shape']}")
+        for key, entry in table["model_keys"].items():
+            keys.setdefault(key, entry)
+    return list(params.values()), keys
+
+
+def build_meta(engine, tag: str, world_size: int, tables: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """meta.json's content for ``engine`` now; ``tables``: every rank's `local_tables` (default:
+    this rank's only)."""
     optimizer = engine.optimizer
     groups = []
     for g, master in enumerate(engine.zero.masters):
@@ -60,16 +85,17 @@ def build_meta(engine, tag: str, world_size: int) -> dict[str, Any]:
         except TypeError as error:
             raise ValueError(f"optimizer state of group {g} holds a {error}, which a checkpoint cannot store") from None
         groups.append({"options": options, "flat": flat, "other": other, "values": values})
-    params = [
-        {"name": n, "shape": list(s.param.shape), "numel": s.numel, "group": s.group, "dtype": dtype_name(s.param.dtype)}
-        for n, s in zip(param_names(engine), engine.zero.flat.slots)
-    ]
+    params, model_keys = _merge(tables if tables is not None else [local_tables(engine)])
     precision = _jsonable(engine.precision.state_dict())
+    mesh = engine.mesh
+    layout = {axis: (mesh.size(axis) if mesh is not None else 1) for axis in ("dp", "pp", "tp")}
+    layout["dp"] = engine.comm.world_size
     return {
         "format": FORMAT,
         "version": VERSION,
         "tag": tag,
         "world_size": world_size,
+        "layout": layout,
         "zero_stage": engine.zero.stage,
         "precision": engine.precision.name,
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
@@ -79,7 +105,7 @@ def build_meta(engine, tag: str, world_size: int) -> dict[str, Any]:
         "skipped_steps": engine.skipped_steps,
         "precision_state": precision,
         "params": params,
-        "model_keys": model_state_keys(engine),
+        "model_keys": model_keys,
         "optimizer": {
             "class": type(optimizer).__name__ if optimizer is not None else None,
             "groups": groups,
@@ -98,23 +124,26 @@ def parse_meta(text: str, path) -> dict[str, Any]:
     return meta
 
 
-def check_compatible(engine, meta: dict, *, optimizer: bool, module_only: bool, where) -> None:
+def check_compatible(engine, meta: dict, *, optimizer: bool, module_only: bool, where,
+                     all_names: set[str] | None = None) -> None:
     """CheckpointError when the checkpoint's parameters (or, when loading them, optimizer
-    states) do not fit ``engine``. Runs before any state changes."""
+    states) do not fit ``engine``. ``all_names``: the trained parameters of every rank (a
+    pipeline rank holds its stage only; default: this rank's). Runs before any state changes."""
     saved = {p["name"]: p for p in meta["params"]}
     names = param_names(engine)
+    everyone = set(names) if all_names is None else all_names
     missing = [n for n in names if n not in saved]
-    unexpected = [n for n in saved if n not in set(names)]
+    unexpected = [n for n in saved if n not in everyone]
     if missing or unexpected:
         raise CheckpointError(
             f"{where} does not match the model's trained parameters: missing {missing[:5]}"
             f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
     for name, slot in zip(names, engine.zero.flat.slots):
-        if saved[name]["shape"] != list(slot.param.shape):
+        if saved[name]["shape"] != full_shape(slot.param):
             raise CheckpointError(
                 f"{where}: parameter {name!r} has shape {tuple(saved[name]['shape'])} in the checkpoint and "
-                f"{tuple(slot.param.shape)} in the model"
+                f"{tuple(full_shape(slot.param))} in the model"
             )
     current_keys = model_state_keys(engine)
     for key, entry in current_keys.items():

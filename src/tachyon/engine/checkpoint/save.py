@@ -27,8 +27,11 @@ from typing import Any
 
 from torch.distributed import checkpoint as dcp
 
+from tachyon.engine.onebit_hooks import error_feedback_state
+
 from . import manifest as mf
-from .meta import agree, build_meta, check_client_state, gather, validate_tags
+from .boxes import boxes_save_planner
+from .meta import agree, build_meta, check_client_state, gather, local_tables, validate_tags
 from .state import rng_state, save_state_dict
 
 _PAUSE_HOOK = None
@@ -45,13 +48,14 @@ def check_storage_config(engine) -> None:
     """``checkpoint.use_node_local_storage`` works when every rank is on one node (the local
     disk is then the shared one); across nodes it is refused: the resharding protocol needs
     one directory every rank can read."""
-    if not engine.config.checkpoint.use_node_local_storage or not engine.comm.enabled:
+    comm = engine.world_comm
+    if not engine.config.checkpoint.use_node_local_storage or not comm.enabled:
         return
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local is None or int(local) != engine.comm.world_size:
+    if local is None or int(local) != comm.world_size:
         raise ValueError(
             "checkpoint.use_node_local_storage: true is supported only when all ranks run on one node "
-            f"(LOCAL_WORLD_SIZE={local!r}, world size {engine.comm.world_size}); tachyon checkpoints are resharded "
+            f"(LOCAL_WORLD_SIZE={local!r}, world size {comm.world_size}); tachyon checkpoints are resharded "
             "on load, which needs a directory every rank can read: set it to false and use shared storage"
         )
 
@@ -66,9 +70,10 @@ def save_checkpoint(engine, save_dir, tag: Any = None, client_state: Any = None,
             anything else is refused with ValueError before anything is written.
         save_latest: point ``latest`` at this checkpoint.
 
-    Returns the checkpoint directory. Every rank must call this.
+    Returns the checkpoint directory. Every rank must call this (all ranks of the job: with
+    tensor or pipeline parallelism each holds a different part of the model).
     """
-    comm = engine.comm
+    comm = engine.world_comm
     rank, world = comm.rank, comm.world_size
     check_storage_config(engine)
     if tag is None:
@@ -106,19 +111,24 @@ def save_checkpoint(engine, save_dir, tag: Any = None, client_state: Any = None,
         raise mf.CheckpointError(error)
     tmp = Path(tmp_name)
 
-    meta = build_meta(engine, tag, world)
-    state = save_state_dict(engine, rank, world, meta["optimizer"]["groups"])
+    meta = build_meta(engine, tag, world, gather(comm, local_tables(engine)))
+    state = save_state_dict(engine, meta["optimizer"]["groups"])
     with mf.quiet_dcp():
         dcp.save(
             state,
             storage_writer=dcp.FileSystemWriter(str(tmp / mf.STATE_DIR), sync_files=True),
+            planner=boxes_save_planner(),
             process_group=comm.group if comm.enabled else None,
             no_dist=not comm.enabled,
         )
     written: dict[str, dict[str, Any]] = {}
     local_error = None
     try:
-        mf.torch_save_synced(rng_state(), tmp / mf.rng_file(rank))
+        state = rng_state()
+        errors = error_feedback_state(engine.optimizer)
+        if errors is not None:
+            state["onebit_error_feedback"] = errors
+        mf.torch_save_synced(state, tmp / mf.rng_file(rank))
         mine = [mf.rng_file(rank)]
         mine += [f"{mf.STATE_DIR}/{p.name}" for p in (tmp / mf.STATE_DIR).glob(f"__{rank}_*")]
         if rank == 0:

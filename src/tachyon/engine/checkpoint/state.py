@@ -1,39 +1,40 @@
 """The engine's training state as logical, per-parameter tensors for torch.distributed.checkpoint.
 
 The ZeRO layout is flat: each optimizer param group is one padded 1-D buffer region, split
-into ``world_size`` equal partitions, and a rank's fp32 master and optimizer states cover its
-partition (stages 1/2) or the whole region (stage 0). A checkpoint must not depend on that
-layout, so every trained parameter is written as its own LOGICAL 1-D tensor of ``numel``
-elements (the flattened parameter, no padding):
+into ``dp`` equal partitions, and a rank's fp32 master and optimizer states cover its partition
+(stages 1/2) or the whole region (stage 0). With tensor parallelism a rank's parameter is a
+shard of the full one; with pipeline parallelism a rank holds one stage's parameters. A
+checkpoint must not depend on any of that, so every trained parameter is written as its own
+LOGICAL tensor of the FULL parameter (``[d0, d1 * ...]``, 1-D for a vector; see `boxes.py`):
 
     master/<param name>            fp32 master weight
     optim/<param name>/<key>       each optimizer state shaped like the master (exp_avg, ...)
     optim_group/<g>/<key>          other tensor states of group g (``step``), written by rank 0
-    model/<state_dict key>         frozen parameters and buffers, written by rank 0
+    model/<state_dict key>         frozen parameters and buffers, full shape, written once
 
-Each rank contributes the pieces it owns as shards of a ShardedTensor with global offsets
-(`ZeroStrategy.master_pieces`: the parameter's elements in the rank's partition, one or more
-pieces; stage 0, which holds everything
-on every rank, writes the same pieces, so the write is spread over the ranks too). No rank
-ever gathers a full parameter, so memory stays at one partition. On load each rank asks DCP
-for the pieces of its NEW partition (stages 1/2) or for the full tensors (stage 0, or one
-process), and DCP reads just those byte ranges, from whichever files hold them: any world
-size reads any other's checkpoint.
-
-(DTensor's Shard(0) cannot express the flat partitions: its chunks follow torch.chunk, while
-a ZeRO partition boundary falls anywhere inside a parameter. ShardedTensor takes arbitrary
-offsets; its deprecation warning is silenced here.)
+Names are the module's (a PipelineModule's are layout-free: ``"{layer}.<name>"``,
+``"tied_modules.<key>.<name>"``). Each rank contributes the pieces it owns (`ZeroStrategy.
+master_pieces`: its partition at stages 1/2; at stage 0, which holds everything on every rank,
+its share of the same split, so the write is spread over the ranks too), mapped through its
+tensor-parallel shard into boxes of the logical tensor. A parameter another rank counts
+(`tachyon.engine.zero.model_parallel`: a replica on a tensor-parallel rank other than 0, a tied
+weight's copy on a later stage) is not written twice. No rank ever gathers a full parameter,
+so memory stays at one partition. On load each rank asks DCP for the boxes of its NEW pieces
+(stages 1/2) or of its whole local parameters (stage 0, or one process), and DCP reads just
+those byte ranges, from whichever files hold them: any (dp, pp, tp) layout reads any other's
+checkpoint, as long as the pipeline cuts the same layer list.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
-import warnings
 from typing import Any
 
 import torch
 
+from ..zero.model_parallel import is_duplicate_name, tp_of
+from .boxes import Boxes, Geometry, boxes_of
 from .manifest import CheckpointError
 
 MASTER, OPTIM, OPTIM_GROUP, MODEL = "master/", "optim/", "optim_group/", "model/"
@@ -41,8 +42,8 @@ MASTER, OPTIM, OPTIM_GROUP, MODEL = "master/", "optim/", "optim_group/", "model/
 
 @dataclasses.dataclass
 class Piece:
-    """The part [lo, hi) of a parameter's flat range (parameter-relative) that ``rank`` holds,
-    at ``master_offset`` in that rank's master tensor."""
+    """The part [lo, hi) of a local parameter's flat range that ``rank`` (a data-parallel rank)
+    holds, at ``master_offset`` in that rank's master tensor."""
 
     rank: int
     lo: int
@@ -61,6 +62,18 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
+def shard_spec_of(tensor: torch.Tensor) -> Any:
+    from tachyon.parallel.tensor.shard import shard_spec
+
+    return shard_spec(tensor)
+
+
+def full_shape(tensor: torch.Tensor) -> list[int]:
+    """The unsplit shape of a (possibly tensor-parallel) parameter."""
+    spec = shard_spec_of(tensor)
+    return list(spec.full_shape if spec is not None else tensor.shape)
+
+
 def param_names(engine) -> list[str]:
     """The module's name of every trained parameter, in the flat layout's slot order."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
@@ -74,44 +87,41 @@ def param_names(engine) -> list[str]:
 
 def model_state_keys(engine) -> dict[str, dict[str, Any]]:
     """Every key of ``module.state_dict()``: a trained parameter (restored from its master) or
-    a frozen parameter / buffer (saved as is). Tied parameters appear under each of their keys."""
+    a frozen parameter / buffer (saved as is, full shape). Tied parameters appear under each of
+    their keys."""
     names = {id(slot.param): n for slot, n in zip(engine.zero.flat.slots, param_names(engine))}
     out = {}
     for key, value in engine.module.state_dict(keep_vars=True).items():
         if id(value) in names:
             out[key] = {"source": "master", "name": names[id(value)]}
         elif torch.is_tensor(value):
-            out[key] = {"source": "model", "shape": list(value.shape), "dtype": dtype_name(value.dtype)}
+            out[key] = {"source": "model", "shape": full_shape(value), "dtype": dtype_name(value.dtype)}
     return out
 
 
+def geometry(engine, param: torch.Tensor, version: int = 2) -> Geometry:
+    tp = tp_of(engine.mesh)
+    return Geometry(tuple(param.shape), shard_spec_of(param), tp.rank if tp is not None else 0, version)
+
+
+def written_here(engine, name: str, tensor: torch.Tensor) -> bool:
+    """Whether this rank writes ``name`` (not a copy another rank counts)."""
+    return not is_duplicate_name(engine.module, name, tensor, tp_of(engine.mesh))
+
+
 def pieces_of(engine, rank: int, *, whole: bool = False) -> list[list[Piece]]:
-    """Per slot: the pieces ``rank`` holds in its partition (``whole``: the full range, from
-    the rank's full master: stage 0 or one process)."""
+    """Per slot: the pieces data-parallel ``rank`` holds in its partition (``whole``: the full
+    local range, from the rank's full master: stage 0 or one data-parallel rank)."""
     return [[Piece(rank, lo, hi, at) for lo, hi, at in per_slot]
             for per_slot in engine.zero.master_pieces(rank, whole=whole)]
 
 
-def _sharded(numel: int, dtype: torch.dtype, layout: list[list[Piece]], local: list[torch.Tensor], device,
-             rank: int) -> Any:
-    """A 1-D ShardedTensor of ``numel`` whose shards are ``layout`` (every rank's pieces) and
-    whose local shards are ``local`` (this rank's pieces, in order). No communication: every
-    rank computes the same global layout from the flat partitions."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
-    metas = []
-    pieces = [p for per_rank in layout for p in per_rank]
-    for p in pieces:
-        where = str(device) if p.rank == rank else torch.device(device).type
-        metas.append(ShardMetadata([p.lo], [p.hi - p.lo], f"rank:{p.rank}/{where}"))
-    mine = [m for p, m in zip(pieces, metas) if p.rank == rank]
-    shards = [Shard(t, m) for t, m in zip(local, mine)]
-    global_md = ShardedTensorMetadata(metas, torch.Size([numel]), TensorProperties(dtype=dtype))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, global_md)
+def _logical(geo: Geometry, pieces: list[Piece], sources: list[torch.Tensor], dtype: torch.dtype) -> Any:
+    """DCP's object for the pieces (``sources[i]``: the flat elements of piece i); a rank holding
+    none of the parameter contributes no box."""
+    if 0 in geo.shape:
+        return torch.empty(geo.shape, dtype=dtype)  # an empty parameter: a plain tensor, deduplicated by DCP
+    return Boxes(geo.shape, dtype, boxes_of(geo, [(p.lo, p.hi, t) for p, t in zip(pieces, sources)]))
 
 
 def flat_state_keys(optimizer, master: torch.Tensor) -> tuple[dict[str, str], dict[str, dict], dict[str, Any]]:
@@ -128,38 +138,55 @@ def flat_state_keys(optimizer, master: torch.Tensor) -> tuple[dict[str, str], di
     return flat, other, values
 
 
+def _gather_full(engine, tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a tensor-parallel frozen parameter (a collective over tp)."""
+    import torch.distributed as dist
+
+    from tachyon.parallel.tensor.shard import unshard_tensor
+
+    tp = tp_of(engine.mesh)
+    shards = [torch.empty_like(tensor) for _ in range(tp.size)]
+    dist.all_gather(shards, tensor.detach().contiguous(), group=tp.group)
+    return unshard_tensor(shards, shard_spec_of(tensor))
+
+
 # ---------------------------------------------------------------------- save
-def save_state_dict(engine, rank: int, world_size: int, optimizer_meta: list[dict]) -> dict[str, Any]:
+def save_state_dict(engine, optimizer_meta: list[dict]) -> dict[str, Any]:
     """This rank's DCP state dict (see the module docstring); ``optimizer_meta`` from `meta.py`."""
     zero, optimizer = engine.zero, engine.optimizer
-    names = param_names(engine)
-    sharded = world_size > 1
-    device = zero.flat.buffer.device
-    mine = pieces_of(engine, rank, whole=not sharded)
-    layout = [pieces_of(engine, r) for r in range(world_size)] if sharded else None
+    mine = pieces_of(engine, zero.rank, whole=zero.world_size == 1)
     out: dict[str, Any] = {}
-
-    def logical(slot_index: int, numel: int, source: torch.Tensor) -> Any:
-        local = [source.detach().narrow(0, p.master_offset, p.hi - p.lo) for p in mine[slot_index]]
-        if not sharded or numel == 0:  # an empty parameter has no shards to describe
-            return local[0] if local else source.new_empty(0)
-        per_rank = [lay[slot_index] for lay in layout]
-        return _sharded(numel, source.dtype, per_rank, local, device, rank)
-
-    for i, (slot, name) in enumerate(zip(zero.flat.slots, names)):
+    for i, (slot, name) in enumerate(zip(zero.flat.slots, param_names(engine))):
+        if not written_here(engine, name, slot.param):
+            continue
+        geo = geometry(engine, slot.param)
         master = zero.masters[slot.group]
-        out[MASTER + name] = logical(i, slot.numel, master)
+
+        def logical(source: torch.Tensor) -> Any:
+            sources = [source.detach().narrow(0, p.master_offset, p.hi - p.lo) for p in mine[i]]
+            return _logical(geo, mine[i], sources, source.dtype)
+
+        out[MASTER + name] = logical(master)
         if optimizer is not None:
             for key in optimizer_meta[slot.group]["flat"]:
-                out[f"{OPTIM}{name}/{key}"] = logical(i, slot.numel, optimizer.state[master][key])
-    if rank == 0:
+                out[f"{OPTIM}{name}/{key}"] = logical(optimizer.state[master][key])
+    if engine.world_comm.rank == 0:
         for g, master in enumerate(zero.masters):
             for key in optimizer_meta[g]["other"] if optimizer is not None else {}:
                 out[f"{OPTIM_GROUP}{g}/{key}"] = optimizer.state[master][key].detach()
+    if zero.rank == 0:  # frozen parameters and buffers: one data-parallel copy writes them
+        tp = tp_of(engine.mesh)
         state = engine.module.state_dict(keep_vars=True)
         for key, entry in model_state_keys(engine).items():
-            if entry["source"] == "model":
-                out[MODEL + key] = state[key].detach()
+            if entry["source"] != "model":
+                continue
+            value = state[key]
+            if shard_spec_of(value) is not None and tp is not None:
+                full = _gather_full(engine, value)  # every tp rank of this copy takes part
+                if tp.rank == 0 and written_here(engine, key, full):
+                    out[MODEL + key] = full
+            elif written_here(engine, key, value):
+                out[MODEL + key] = value.detach()
     return out
 
 
@@ -177,28 +204,27 @@ class LoadTargets:
     pieces: list[list[Piece]]
 
 
-def load_targets(engine, meta: dict, *, rank: int, world_size: int, optimizer: bool, module_only: bool) -> LoadTargets:
+def load_targets(engine, meta: dict, *, optimizer: bool, module_only: bool) -> LoadTargets:
     """Destination tensors for this rank's part of the checkpoint described by ``meta``."""
     zero = engine.zero
-    names = param_names(engine)
-    sharded = world_size > 1 and zero.partitioned_masters
+    version = int(meta.get("version", 1))
+    sharded = zero.world_size > 1 and zero.partitioned_masters
     device = zero.flat.buffer.device
-    mine = pieces_of(engine, rank, whole=not sharded)
-    layout = [pieces_of(engine, r) for r in range(world_size)] if sharded else None
+    mine = pieces_of(engine, zero.rank, whole=not sharded)
     dcp_state: dict[str, Any] = {}
     masters, flat_states, other_states, model = {}, {}, {}, {}
 
-    def target(slot_index: int, numel: int, dtype: torch.dtype) -> tuple[Any, list[torch.Tensor]]:
-        local = [torch.empty(p.hi - p.lo, dtype=dtype, device=device) for p in mine[slot_index]]
-        if not sharded or numel == 0:
-            return (local[0] if local else torch.empty(0, dtype=dtype, device=device)), local
-        return _sharded(numel, dtype, [lay[slot_index] for lay in layout], local, device, rank), local
+    for i, (slot, name) in enumerate(zip(zero.flat.slots, param_names(engine))):
+        geo = geometry(engine, slot.param, version)
 
-    for i, (slot, name) in enumerate(zip(zero.flat.slots, names)):
-        dcp_state[MASTER + name], masters[name] = target(i, slot.numel, torch.float32)
+        def target(dtype: torch.dtype) -> tuple[Any, list[torch.Tensor]]:
+            local = [torch.empty(p.hi - p.lo, dtype=dtype, device=device) for p in mine[i]]
+            return _logical(geo, mine[i], local, dtype), local
+
+        dcp_state[MASTER + name], masters[name] = target(torch.float32)
         if optimizer and not module_only:
             for key, dtype in meta["optimizer"]["groups"][slot.group]["flat"].items():
-                dcp_state[f"{OPTIM}{name}/{key}"], flat_states[(name, key)] = target(i, slot.numel, dtype_of(dtype))
+                dcp_state[f"{OPTIM}{name}/{key}"], flat_states[(name, key)] = target(dtype_of(dtype))
     if optimizer and not module_only:
         for g, group in enumerate(meta["optimizer"]["groups"]):
             for key, spec in group["other"].items():
@@ -244,7 +270,13 @@ def commit(engine, meta: dict, targets: LoadTargets, *, optimizer: bool) -> None
             if state:
                 engine.optimizer.state[master] = state
     current = engine.module.state_dict(keep_vars=True)
+    tp = tp_of(engine.mesh)
     for key, tensor in targets.model.items():
+        spec = shard_spec_of(current[key])
+        if spec is not None and tp is not None:
+            from tachyon.parallel.tensor.shard import shard_tensor
+
+            tensor = shard_tensor(tensor, spec, tp.rank)
         current[key].copy_(tensor)
     zero.after_step()  # the masters into the model buffer, then the partitions all-gathered
 

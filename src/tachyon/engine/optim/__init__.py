@@ -3,6 +3,10 @@
 - FusedAdam: Adam/AdamW, one Triton multi-tensor launch per step on CUDA (PyTorch elsewhere).
 - Lamb: DeepSpeed FusedLamb semantics, trust ratios per original parameter even when the optimizer
   sees one flat partition (param group ``segments`` / ``num_segments`` + ``optimizer.norm_reducer``).
+- OneBitAdam, OneBitLamb: 1-bit Adam / LAMB (DeepSpeed's OnebitAdam / OnebitLamb): a warm-up with
+  the plain optimizer, then the momentum averaged over the data-parallel ranks with a 1-bit
+  compressed all-reduce (`tachyon.parallel.compression`); ``reshard_onebit_state_dicts`` maps
+  their checkpoints to another world size.
 - SGD: torch.optim.SGD.
 - build_optimizer(config.optimizer, params): from the ``optimizer`` config section.
 """
@@ -12,5 +16,16 @@ from torch.optim import SGD
 from tachyon.engine.optim.adam import FusedAdam
 from tachyon.engine.optim.builder import OPTIMIZERS, build_optimizer
 from tachyon.engine.optim.lamb import Lamb, NormReducer
+from tachyon.engine.optim.onebit import OneBitOptimizer, reshard_onebit_state_dicts
+from tachyon.engine.optim.onebit_adam import OneBitAdam
+from tachyon.engine.optim.onebit_lamb import OneBitLamb
 
-__all__ = ["OPTIMIZERS", "SGD", "FusedAdam", "Lamb", "NormReducer", "build_optimizer"]
+OnebitAdam = OneBitAdam
+"""DeepSpeed's spelling (deepspeed.runtime.fp16.onebit.adam.OnebitAdam)."""
+OnebitLamb = OneBitLamb
+"""DeepSpeed's spelling (deepspeed.runtime.fp16.onebit.lamb.OnebitLamb)."""
+
+__all__ = [
+    "OPTIMIZERS", "SGD", "FusedAdam", "Lamb", "NormReducer", "OneBitAdam", "OneBitLamb", "OneBitOptimizer",
+    "OnebitAdam", "OnebitLamb", "build_optimizer", "reshard_onebit_state_dicts",
+]

@@ -7,6 +7,9 @@ Mapping (DeepSpeed's):
   with ``torch_adam: true`` torch.optim.AdamW (adam_w_mode) or torch.optim.Adam (not).
 - ``AdamW``: the same with adam_w_mode forced True.
 - ``Lamb``: tachyon's Lamb. ``SGD``: torch.optim.SGD.
+- ``OneBitAdam`` / ``OneBitLamb``: tachyon's 1-bit optimizers (`tachyon.engine.optim.onebit`) over
+  the default process group; the engine re-targets them to its data-parallel group and ZeRO
+  partitions (`tachyon.engine.onebit_hooks.bind_onebit_optimizer`).
 ``torch_adam`` and ``adam_w_mode`` are consumed here, never passed on. A value that cannot be
 honoured (amsgrad=True; bias_correction=False with torch_adam) raises ValueError naming the key.
 """
@@ -21,6 +24,8 @@ import torch
 from tachyon.config import OPTIMIZER_PARAMS
 from tachyon.engine.optim.adam import FusedAdam
 from tachyon.engine.optim.lamb import Lamb
+from tachyon.engine.optim.onebit_adam import OneBitAdam
+from tachyon.engine.optim.onebit_lamb import OneBitLamb
 
 OPTIMIZERS = tuple(OPTIMIZER_PARAMS)
 _ACCEPTED = {name: tuple(model.model_fields) for name, model in OPTIMIZER_PARAMS.items()}
@@ -50,6 +55,10 @@ def build_optimizer(optimizer_config: Any, params: Iterable) -> torch.optim.Opti
         return torch.optim.SGD(params, **kw)
     if kind == "Lamb":
         return Lamb(params, **kw)
+    if kind in ("OneBitAdam", "OneBitLamb"):
+        if "betas" in kw:
+            kw["betas"] = tuple(kw["betas"])
+        return (OneBitAdam if kind == "OneBitAdam" else OneBitLamb)(params, **kw)
     if kw.pop("amsgrad", False):
         raise ValueError("optimizer.params.amsgrad: true is not supported (the fused Adam has no AMSGrad); use false")
     torch_adam = bool(kw.pop("torch_adam", False))

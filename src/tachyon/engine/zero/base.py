@@ -5,7 +5,9 @@ flow: `tachyon.engine.zero.stages`.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -83,6 +85,14 @@ class ZeroStrategy:
             if previous is not None and previous is not self:
                 previous.release()
             _OWNER[id(slot.param)] = weakref.ref(self)
+        self._local_gradients: Callable[[], bool] | None = None
+        self._model_parallel_sum: Callable[[torch.Tensor], object] | None = None
+        self._duplicates: set[int] = set()
+        self._counted: list[list[tuple[int, int]]] | None = None
+        self._hooks: list = []
+        self._register_hooks()
+
+    def _register_hooks(self) -> None:
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad) for slot in self.flat.slots]
 
     def release(self) -> None:
@@ -90,6 +100,24 @@ class ZeroStrategy:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+    def set_model_parallel(self, sum_: Callable[[torch.Tensor], object], duplicates: set[int]) -> None:
+        """The model is split over other ranks too (tensor / pipeline parallelism): ``sum_`` SUM
+        all-reduces a fp32 tensor in place over them, and ``duplicates`` holds ``id()`` of the
+        parameters whose gradient another rank counts already (a replicated parameter on a
+        tensor-parallel rank other than 0, a tied weight's copy on a later pipeline stage).
+        `grad_norm` then counts every parameter of the whole model exactly once."""
+        self._model_parallel_sum, self._duplicates, self._counted = sum_, set(duplicates), None
+
+    def set_local_gradients(self, predicate: Callable[[], bool]) -> None:
+        """When ``predicate()`` is True at a boundary backward, skip the data-parallel reduction:
+        the optimizer gets this rank's own (accumulated, unaveraged) gradient and communicates it
+        itself, compressed (1-bit Adam / LAMB past their warm-up: the optimizer's
+        ``in_compression_stage``). Stage 0 only: at stages 1/2 a rank owns one partition of the
+        masters and needs every rank's gradient for it (RuntimeError at that backward; a 1-bit
+        optimizer there reduces compressed through the buckets instead and sets a predicate
+        that stays False)."""
+        self._local_gradients = predicate
 
     # ------------------------------------------------------------------ masters
     def _master_start(self, region: GroupRegion) -> int | None:
@@ -163,9 +191,41 @@ class ZeroStrategy:
         return tensor
 
     # ------------------------------------------------------------------ backward
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Inside the block gradients accumulate in ``param.grad`` as plain autograd leaves them
+        (the per-parameter hooks are removed, and registered again after): a pipeline schedule
+        runs the backward of many micro-batches interleaved with forwards, sums tied weights'
+        gradients and divides by the micro-batch count on ``param.grad`` itself.
+        `reduce_param_grads` then reduces them."""
+        hooked = bool(self._hooks)  # a strategy released for a newer engine stays released
+        self.release()
+        try:
+            yield
+        finally:
+            if hooked:
+                self._register_hooks()
+
+    def reduce_param_grads(self) -> None:
+        """The boundary reduction of gradients accumulated in ``param.grad`` (see `deferred`):
+        every parameter goes through the same path its hook takes on a boundary backward, in
+        reverse layout order (backward's order, so buckets launch one after the other)."""
+        self.begin_backward(True)
+        for slot in reversed(self.flat.slots):
+            self._on_grad(slot.param)
+        self.end_backward()
+
     def begin_backward(self, boundary: bool) -> None:
         """Called before ``loss.backward()``; ``boundary``: last micro-step of the batch."""
-        self._reducing = self._reduces(boundary)
+        local = boundary and self._local_gradients is not None and self._local_gradients()
+        if local and self.partitioned_masters:
+            raise RuntimeError(
+                f"the optimizer asks for this rank's own gradient (in its compression stage it averages compressed "
+                f"gradients itself) but ZeRO stage {self.stage} partitions the masters over the data-parallel ranks, "
+                "which needs every rank's gradient reduced to its owner: use zero_optimization.stage 0, or reduce "
+                "through the strategy's buckets (the 1-bit optimizers' compressed reduce-scatter)"
+            )
+        self._reducing = self._reduces(boundary) and not local
         self.buckets.reset()
 
     def end_backward(self) -> None:
@@ -215,12 +275,39 @@ class ZeroStrategy:
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The global L2 norm of the averaged gradient (a 0-dim fp32 tensor): local squared
-        norms, SUM all-reduced over the ranks when masters are partitioned."""
+        norms, SUM all-reduced over the data-parallel ranks when masters are partitioned, and
+        over the model-parallel ranks (`set_model_parallel`) with each parameter counted once."""
         device = self.flat.buffer.device
-        squares = [torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads]
+        counted = self._counted_ranges()
+        pieces = [g.narrow(0, at, n) for g, ranges in zip(grads, counted) for at, n in ranges]
+        squares = [torch.linalg.vector_norm(p, dtype=torch.float32).square() for p in pieces]
         total = torch.stack(squares).sum().reshape(1) if squares else torch.zeros(1, device=device)
         self.norm_reducer(total)
+        if self._model_parallel_sum is not None:
+            self._model_parallel_sum(total)
         return total.sqrt().reshape(())
+
+    def _counted_ranges(self) -> list[list[tuple[int, int]]]:
+        """Per region, (offset, length) ranges of this rank's master whose gradient counts in
+        the norm: all of it, minus the pieces of `set_model_parallel`'s duplicates."""
+        if self._counted is None:
+            skip: list[list[tuple[int, int]]] = [[] for _ in self.masters]
+            if self._duplicates:
+                per_slot = self.master_pieces(self.rank, whole=not self.partitioned_masters)
+                for slot, pieces in zip(self.flat.slots, per_slot):
+                    if id(slot.param) in self._duplicates:
+                        skip[slot.group] += [(at, hi - lo) for lo, hi, at in pieces]
+            self._counted = []
+            for master, dup in zip(self.masters, skip):
+                ranges, at = [], 0
+                for start, n in sorted(dup):
+                    if start > at:
+                        ranges.append((at, start - at))
+                    at = max(at, start + n)
+                if at < master.numel():
+                    ranges.append((at, master.numel() - at))
+                self._counted.append(ranges)
+        return self._counted
 
     @torch.no_grad()
     def after_step(self) -> None:

@@ -66,6 +66,14 @@ class DataParallelComm:
         if self.world_size == 1:
             self.enabled = False
 
+    @classmethod
+    def single(cls) -> DataParallelComm:
+        """A data-parallel axis of one rank (every collective a no-op) inside a distributed job,
+        e.g. tensor parallelism over all ranks; ``DataParallelComm(None)`` would be the world."""
+        comm = cls.__new__(cls)
+        comm.enabled, comm.group, comm.world_size, comm.rank, comm.timeout = False, None, 1, 0, None
+        return comm
+
     # ------------------------------------------------------------------ errors
     def error(self, op: str, cause: BaseException) -> CollectiveError:
         limit = f"{self.timeout.total_seconds():g} s" if self.timeout is not None else "its"

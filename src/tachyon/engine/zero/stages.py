@@ -94,6 +94,9 @@ class Stage0(ZeroStrategy):
         def then() -> None:
             if buf is not view:
                 view.copy_(buf)
+                # free the converted copy now: the process group's worker may hold the tensor (not
+                # its use: the reduction is done) a moment after wait() returns (gloo does)
+                buf.set_()
             if self.post_divide != 1:
                 view.div_(self.post_divide)
 

@@ -157,6 +157,7 @@ class PipelineModule(nn.Module):
         self.num_stages, self.stages_per_rank, self.total_stages = pp, stages_per_rank, total
         self.pp_rank = mesh.rank("pp") if mesh is not None else 0
         self.partition_method = partition_method
+        self.seed_layers, self.activation_checkpoint_interval = bool(seed_layers), activation_checkpoint_interval
         self.parts = partition_layers(layers, total, partition_method)
         self.stage_ids = [self.pp_rank + k * pp for k in range(stages_per_rank)]
         self._layer_specs = layers
@@ -276,6 +277,16 @@ class PipelineModule(nn.Module):
             for param in self._tied_params(key):
                 if param.grad is not None:
                     dist.all_reduce(param.grad, group=group)
+
+    def owns_tied(self, key: str) -> bool:
+        """Whether this rank holds the copy of tied module ``key`` that counts: the one on the
+        lowest pipeline rank holding it (the copy the others were initialized from). The other
+        copies are equal to it, so a global gradient norm counts only this one and a checkpoint
+        writes only this one."""
+        if key not in self.tied_modules:
+            return False
+        entry = self._tie_groups.get(key)
+        return entry is None or entry[1] == dist.get_rank()
 
     @property
     def tied_weight_keys(self) -> list[str]:

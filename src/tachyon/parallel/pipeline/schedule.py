@@ -31,6 +31,7 @@ hidden x dtype bytes each for a transformer. The first batch also exchanges shap
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -109,13 +110,14 @@ class PipelineSchedule:
         self.name = check_schedule(schedule, module.stages_per_rank, micro_batches, module.num_stages)
         self.module, self.micro_batches, self.loss_scale = module, micro_batches, loss_scale
         self.device = torch.device(device) if device is not None else _device()
-        self._scale = 1.0  # the scale of the batch in flight
+        self._factor = 1.0  # what loss_fn's value is multiplied by in the batch in flight
         self._schedule = None if module.num_stages == 1 else self._make_schedule()
 
     def _loss(self, output: Any, target: Any) -> Tensor:
-        """loss_fn times the batch's loss scale (what the backward starts from)."""
+        """loss_fn times the batch's factor: loss scale / micro-batches in training (what the
+        backward starts from: the gradients of the mean loss, scaled), 1 in evaluation."""
         loss = self.module.loss_fn(output, target)
-        return loss * self._scale if self._scale != 1.0 else loss
+        return loss * self._factor if self._factor != 1.0 else loss
 
     def _make_schedule(self) -> Any:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -123,11 +125,14 @@ class PipelineSchedule:
         mesh = self.module.mesh
         stages = [PipelineStage(stage, stage.index, self.module.total_stages, self.device, group=mesh.group("pp"))
                   for stage in self.module.stage_modules]
-        loss_fn = self._loss
-        if self.name == "interleaved_1f1b":
-            return ScheduleInterleaved1F1B(stages, self.micro_batches, loss_fn=loss_fn)
-        cls = ScheduleGPipe if self.name == "gpipe" else Schedule1F1B
-        return cls(stages[0], self.micro_batches, loss_fn=loss_fn)
+        # the 1/micro_batches of the mean loss is in _loss, before the backward (as the engine's
+        # gradient accumulation does it): with fp16 a sum of scaled micro-batch gradients divided
+        # afterwards (torch's default scale_grads) would overflow at a micro_batches times smaller
+        # loss scale. torch < 2.6 has no scale_grads and never divides.
+        cls = {"interleaved_1f1b": ScheduleInterleaved1F1B, "gpipe": ScheduleGPipe}.get(self.name, Schedule1F1B)
+        kw = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
+        first = stages if self.name == "interleaved_1f1b" else stages[0]
+        return cls(first, self.micro_batches, loss_fn=self._loss, **kw)
 
     # ------------------------------------------------------------------ data
     def _next_batch(self, data_iter: Iterator | None) -> tuple[Any, Any]:
@@ -150,7 +155,7 @@ class PipelineSchedule:
 
     def _broadcast_loss(self, losses: list[Tensor]) -> Tensor:
         loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=self.device)
-        loss = loss.to(self.device) / self._scale
+        loss = loss.to(self.device) / self._factor
         if self.module.num_stages > 1:
             src = self.module.mesh.ranks("pp")[(self.module.total_stages - 1) % self.module.num_stages]
             dist.broadcast(loss, src=src, group=self.module.mesh.group("pp"))
@@ -161,12 +166,13 @@ class PipelineSchedule:
         """Forward and backward of one batch (module docstring); returns the mean loss."""
         self.module.train()
         inputs, labels = self._next_batch(data_iter)
-        self._scale = float(self.loss_scale()) if self.loss_scale is not None else 1.0
+        scale = float(self.loss_scale()) if self.loss_scale is not None else 1.0
+        self._factor = scale / self.micro_batches
         losses: list[Tensor] = []
         if self._schedule is None:  # one stage: plain gradient accumulation over the micro-batches
             for args, target in zip(_split(inputs, self.micro_batches), _split(labels, self.micro_batches)):
                 loss = self._loss(self.module(*args), target)
-                (loss / self.micro_batches).backward()
+                loss.backward()
                 losses.append(loss.detach())
         else:
             self._schedule.step(*(inputs or ()), target=labels, losses=losses, return_outputs=False)
@@ -179,7 +185,7 @@ class PipelineSchedule:
         ``return_logits`` also the last stage's outputs for the batch (None on other ranks)."""
         was_training = self.module.training
         self.module.eval()
-        self._scale = 1.0
+        self._factor = 1.0
         try:
             inputs, labels = self._next_batch(data_iter)
             losses: list[Tensor] = []

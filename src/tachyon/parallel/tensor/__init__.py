@@ -17,12 +17,12 @@ from tachyon.parallel.tensor.layers import (
     ColumnParallelLinear, ColumnParallelTorchLinear, RowParallelLinear, RowParallelTorchLinear, VocabParallelEmbedding,
     to_column_parallel, to_row_parallel, to_vocab_parallel, vocab_parallel_cross_entropy,
 )
-from tachyon.parallel.tensor.parallelize import STYLES, default_plan, parallelize
+from tachyon.parallel.tensor.parallelize import STYLES, check_parallelizable, default_plan, parallelize
 from tachyon.parallel.tensor.shard import ShardSpec, full_state_dict, shard_spec, shard_state_dict
 
 __all__ = [
     "STYLES", "ColumnParallelLinear", "ColumnParallelTorchLinear", "RowParallelLinear", "RowParallelTorchLinear",
-    "ShardSpec", "TPGroup", "VocabParallelEmbedding", "default_plan", "full_state_dict", "parallelize", "shard_spec",
+    "ShardSpec", "TPGroup", "VocabParallelEmbedding", "check_parallelizable", "default_plan", "full_state_dict", "parallelize", "shard_spec",
     "shard_state_dict", "to_column_parallel", "to_row_parallel", "to_vocab_parallel", "tp_group",
     "vocab_parallel_cross_entropy",
 ]

@@ -151,6 +151,31 @@ def _check_sequence_parallel(model: nn.Module, layers: list[tuple[str, Transform
     return runs
 
 
+def check_parallelizable(model: nn.Module, tp_size: int, *, sequence_parallel: bool = False,
+                         plan: dict[str, str] | None = None) -> tuple[list, dict[str, str], list]:
+    """Every check of :func:`parallelize` for a tensor-parallel size ``tp_size``, touching nothing
+    and no process group (`tachyon.initialize` runs it before it creates any): ValueError naming
+    the module and the size for a TransformerKernelLayer, heads / key-value heads / FFN size /
+    vocabulary not divisible by tp, a bad plan, or a model already tensor parallel. Returns what
+    parallelize applies: (layers, plan, sequence-parallel runs)."""
+    if getattr(model, "_tachyon_tp", None) is not None:
+        raise ValueError("parallelize: the model is already tensor parallel (parallelize was applied twice)")
+    kernels = [n for n, m in model.named_modules() if type(m).__name__ == "TransformerKernelLayer"]
+    if kernels and tp_size > 1:
+        raise ValueError(
+            f"parallelize: {kernels[0]!r} is a TransformerKernelLayer (the fused BERT kernel), which has no tensor-parallel "
+            f"form; build the model from tachyon.nn.TransformerLayer (output_layernorm=True with "
+            f"apply_residual_connection_post_layernorm=True is BERT's post-LN layer) to split it"
+        )
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, TransformerLayer)]
+    for name, layer in layers:
+        check_transformer_layer(layer, tp_size, name)
+    plan = default_plan(model) if plan is None else dict(plan)
+    _check_plan(model, plan, tp_size)
+    runs = _check_sequence_parallel(model, layers) if sequence_parallel else []
+    return layers, plan, runs
+
+
 def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, plan: dict[str, str] | None = None) -> nn.Module:
     """Make ``model`` tensor parallel over the mesh's "tp" axis, in place (see the module docstring).
 
@@ -166,19 +191,7 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, plan
     if tp.size == 1:
         return model
     # ---- checks first: a refused layout leaves the model untouched
-    kernels = [n for n, m in model.named_modules() if type(m).__name__ == "TransformerKernelLayer"]
-    if kernels:
-        raise ValueError(
-            f"parallelize: {kernels[0]!r} is a TransformerKernelLayer (the fused BERT kernel), which has no tensor-parallel "
-            f"form; build the model from tachyon.nn.TransformerLayer (output_layernorm=True with "
-            f"apply_residual_connection_post_layernorm=True is BERT's post-LN layer) to split it"
-        )
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, TransformerLayer)]
-    for name, layer in layers:
-        check_transformer_layer(layer, tp.size, name)
-    plan = default_plan(model) if plan is None else dict(plan)
-    _check_plan(model, plan, tp.size)
-    runs = _check_sequence_parallel(model, layers) if sequence_parallel else []
+    layers, plan, runs = check_parallelizable(model, tp.size, sequence_parallel=sequence_parallel, plan=plan)
     # ---- apply
     modules = dict(model.named_modules())
     for name, layer in layers:
@@ -199,4 +212,4 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False, plan
     return model
 
 
-__all__ = ["STYLES", "default_plan", "parallelize"]
+__all__ = ["STYLES", "check_parallelizable", "default_plan", "parallelize"]
