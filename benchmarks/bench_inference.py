@@ -7,9 +7,9 @@ CPU part (always; a check and a count, not a timing):
   2. bytes moved by one decode step (batch 1, context 128) of a small GPT-2 (hidden 256, 4 layers,
      vocab 2048), counted exactly with tachyon.profiling.TrafficCounter (Triton kernels under the
      interpreter): HF eager with its cache vs tachyon fp32 and INT8, beside the floor (the weights
-     one step must read + the KV cache); plus kernel launches. The counter's rule for torch ops
-     counts a whole input as read, so both sides count the full embedding tables (2.5 MiB here)
-     although a step reads one row of each.
+     one step must read + the KV cache); plus kernel launches. The counter counts a row gather
+     (embedding, index_select on dim 0) as the rows it picks, so a step reads one row of each
+     embedding table, as on a GPU.
   3. the same floor for GPT-2 XL (48 layers, hidden 1600, vocab 50257) in fp16 and INT8: the bytes
      a GPU decode step must read, which the GPU part divides by its measured copy bandwidth.
 

@@ -110,13 +110,13 @@ def test_layer_uses_the_documented_seeds_and_keeps_its_state_on_device(monkeypat
     assert int(layer._dropout_key) == _kernels.dropout_key(77, 9), "the copy has its own buffers"
     layer.dropout_calls = 41
     seen = []
-    original = _kernels.attention
+    original = _kernels.attention_qkvpacked
 
     def spy(*args, seed=None, **kwargs):
         seen.append(seed)
         return original(*args, seed=seed, **kwargs)
 
-    monkeypatch.setattr(_kernels, "attention", spy)
+    monkeypatch.setattr(_kernels, "attention_qkvpacked", spy)
     layer(torch.randn(BATCH, SEQ, HIDDEN))
     assert layer.dropout_calls == 42 and twin.dropout_calls == 0, "the copy has its own counter"
     (seed,) = seen

@@ -4,14 +4,23 @@ Forward: 2-D tiles of about TILE elements, [BLOCK_M rows, BLOCK_N columns]. Back
 (row programs, column blocks) where each row program walks a contiguous range of rows (a
 multiple of BLOCK_M) and writes one row of fp32 partial column sums, which the launcher adds up:
 enough row programs to fill the GPU, few under the interpreter (each program costs milliseconds).
+The backward kernels of kernels/layernorm and kernels/dropout keep the same layout, and
+:func:`sum_partials` adds up all the partial sums of one backward in one launch.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 TILE = 4096  # elements per program tile: 16-32 per thread at 4-8 warps
+
+# Under Triton's CPU interpreter the launchers use few programs (each costs milliseconds), so the
+# per-program fp32 partial sums of the backward kernels have few rows there. Counting bytes as a
+# GPU would move them (tachyon.profiling.traffic; benchmarks/bench_traffic.py --as-gpu-sms) sets
+# this to the GPU's SM count: the interpreter then launches the GPU's grids.
+INTERPRETER_AS_SMS: int | None = None
 
 
 def tiles(n: int) -> tuple[int, int, int]:
@@ -22,15 +31,90 @@ def tiles(n: int) -> tuple[int, int, int]:
 
 
 def max_programs(device: torch.device) -> int:
-    """How many programs fill ``device``: 8 per SM on a GPU, 4 under the interpreter."""
+    """How many programs fill ``device``: 8 per SM on a GPU, 4 under the interpreter (8 per SM of
+    ``INTERPRETER_AS_SMS`` when set)."""
     if device.type == "cuda":
         return 8 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return 8 * INTERPRETER_AS_SMS if INTERPRETER_AS_SMS else 4
+
+
+MIN_ROWS_PER_PARTIAL = 8  # row_programs: rows a program sums before one more program (one more partial row) pays
+
+
+def row_programs(m: int, device: torch.device, interpreter_programs: int) -> int:
+    """Programs for a backward kernel that walks whole rows and writes one fp32 partial row each
+    (the norm backward kernels). Each program's partial row is written and read once more, as
+    many bytes as MIN_ROWS_PER_PARTIAL fp32 rows of data would be read at most: so programs beyond
+    one per SM (the GPU filled) are added only while each keeps that many rows, up to 4 per SM.
+    (512 rows on an H100: 132 programs, not 512, whose partial sums would move as many bytes as
+    the gradient itself.) Under the interpreter: ``interpreter_programs``, or the GPU's grid of
+    ``INTERPRETER_AS_SMS``."""
+    if device.type != "cuda" and not INTERPRETER_AS_SMS:
+        return max(1, min(m, interpreter_programs))
+    sms = max_programs(device) // 8
+    return max(1, min(m, max(sms, min(4 * sms, triton.cdiv(m, MIN_ROWS_PER_PARTIAL)))))
 
 
 def row_split(m: int, block_m: int, col_blocks: int, device: torch.device) -> tuple[int, int]:
     """(row programs, rows per program) for m rows in blocks of block_m, beside col_blocks column
-    blocks; rows per program is a multiple of block_m and no program is empty."""
-    programs = max(1, min(triton.cdiv(m, block_m), triton.cdiv(max_programs(device), col_blocks)))
+    blocks; rows per program is a multiple of block_m and no program is empty. Each row program
+    writes one fp32 partial row, so on a GPU (or the interpreter with INTERPRETER_AS_SMS) row
+    programs beyond filling the SMs are added only while each keeps MIN_ROWS_PER_PARTIAL rows
+    (see :func:`row_programs`), up to 8 programs per SM in all."""
+    blocks = triton.cdiv(m, block_m)
+    if device.type != "cuda" and not INTERPRETER_AS_SMS:
+        programs = max(1, min(blocks, triton.cdiv(max_programs(device), col_blocks)))
+    else:
+        sms = max_programs(device) // 8
+        wanted = max(triton.cdiv(sms, col_blocks),
+                     min(triton.cdiv(8 * sms, col_blocks), triton.cdiv(m, MIN_ROWS_PER_PARTIAL)))
+        programs = max(1, min(blocks, wanted))
     rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
     return triton.cdiv(m, rows_per_program), rows_per_program
+
+
+@triton.jit
+def _sum_partials_kernel(
+    PART, OUT0, OUT1, OUT2, P, N, stride_p, GROUPS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    for g in tl.static_range(GROUPS):
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for p0 in range(0, P, BLOCK_P):
+            rows = p0 + tl.arange(0, BLOCK_P)
+            mask = (rows[:, None] < P) & col_ok[None, :]
+            acc += tl.sum(tl.load(PART + rows[:, None] * stride_p + g * N + cols[None, :], mask=mask, other=0.0), axis=0)
+        if g == 0:
+            tl.store(OUT0 + cols, acc.to(OUT0.dtype.element_ty), mask=col_ok)
+        elif g == 1:
+            tl.store(OUT1 + cols, acc.to(OUT1.dtype.element_ty), mask=col_ok)
+        else:
+            tl.store(OUT2 + cols, acc.to(OUT2.dtype.element_ty), mask=col_ok)
+
+
+def partials(programs: int, groups: int, n: int, device: torch.device) -> torch.Tensor:
+    """The fp32 buffer [programs, groups * n] a backward kernel writes its per-program partial sums
+    into: group g of program p at row p, columns [g * n, (g + 1) * n). Every program writes its
+    whole rows, so it is never zero-filled."""
+    return torch.empty((programs, groups * n), dtype=torch.float32, device=device)
+
+
+def sum_partials(part: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """Column sums of each group of ``part`` (fp32 [P, G * n], see :func:`partials`) over its P
+    rows, in fp32 and stored in ``dtypes[g]``: G tensors [n] from ONE launch (summing each group
+    with torch would be a launch per group, plus one per cast). Deterministic (a fixed order)."""
+    groups = len(dtypes)
+    if not 1 <= groups <= 3 or part.dim() != 2 or part.shape[1] % groups:
+        raise ValueError(f"sum_partials: part [P, G * n] with G in 1..3 groups; got shape {tuple(part.shape)}, G={groups}")
+    p, n = part.shape[0], part.shape[1] // groups
+    outs = [torch.empty(n, dtype=dt, device=part.device) for dt in dtypes]
+    if n == 0:
+        return outs
+    block_n = min(triton.next_power_of_2(n), 1024)
+    block_p = min(triton.next_power_of_2(p), max(1, TILE // block_n))
+    pad = outs + [outs[0]] * (3 - groups)
+    _sum_partials_kernel[(triton.cdiv(n, block_n),)](
+        part, *pad, p, n, part.stride(0), GROUPS=groups, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
+    )
+    return outs

@@ -14,6 +14,9 @@ _LAZY = {
     "get_model_profile": "tachyon.profiling.flops",
     "TrafficCounter": "tachyon.profiling.traffic",
     "count_traffic": "tachyon.profiling.traffic",
+    "bert_layer_minimum": "tachyon.profiling.traffic_minimum",
+    "transformer_layer_minimum": "tachyon.profiling.traffic_minimum",
+    "adam_minimum": "tachyon.profiling.traffic_minimum",
 }
 
 __all__ = list(_LAZY)

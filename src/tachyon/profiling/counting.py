@@ -237,6 +237,13 @@ def _tachyon_count(name: str, a: dict[str, Any], out: Any) -> Count | None:
     if name == "attention_bwd":
         return attention_count(a["q"].shape, a["k"].shape, a["v"].shape, a["causal"], backward=True,
                                bottom_right=True)
+    if name in ("attention_packed_fwd", "attention_packed_bwd"):  # qkv [b, s, (h + 2 kvh) d] (sbhd: [s, b, ...])
+        qkv, heads, kv_heads = a["qkv"], a["heads"], a["kv_heads"]
+        d = qkv.shape[-1] // (heads + 2 * kv_heads)
+        batch, seq = (qkv.shape[1], qkv.shape[0]) if a["sbhd"] else (qkv.shape[0], qkv.shape[1])
+        kv = (batch, kv_heads, seq, d)
+        return attention_count((batch, heads, seq, d), kv, kv, a["causal"], backward=name.endswith("bwd"),
+                               bottom_right=True)
     if name == "norm_fwd":
         return (a["x"].numel() if a["residual"] is not None else 0) + _norm_count(a["x"], a["is_rms"]), 0
     if name == "norm_bwd":

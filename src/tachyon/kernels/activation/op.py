@@ -105,6 +105,7 @@ def _(x, bias, weight2, bias2, activation, keep_y, backend):
 
 def _bias_act_linear_setup(ctx, inputs, output) -> None:
     x, bias, weight2, bias2, activation, keep_y, backend = inputs
+    ctx.set_materialize_grads(False)  # the kept y never gets a gradient: None, not a zero fill
     ctx.activation, ctx.backend, ctx.keep_y = activation, backend, keep_y
     ctx.has_bias, ctx.bias2_dtype = bias is not None, (bias2.dtype if bias2 is not None else None)
     ctx.save_for_backward(x, bias, weight2, output[1] if keep_y else None)
@@ -116,7 +117,7 @@ def _bias_act_linear_backward(ctx, dout, _dy):
         y = _bias_act_fwd(x, bias, ctx.activation, ctx.backend)
     dout = dout.contiguous()
     dweight2 = dout.t().mm(y)
-    dbias2 = dout.float().sum(0).to(ctx.bias2_dtype) if ctx.bias2_dtype is not None else None
+    dbias2 = dout.sum(0, dtype=torch.float32).to(ctx.bias2_dtype) if ctx.bias2_dtype is not None else None
     dy = dout.mm(weight2)
     dx, db = _bias_act_bwd(dy, x, bias, ctx.activation, ctx.backend)
     return dx, (db if ctx.has_bias else None), dweight2, dbias2, None, None, None

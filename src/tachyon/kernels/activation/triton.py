@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from tachyon.kernels.activation.reference import GATED
-from tachyon.kernels.tiling import row_split, tiles
+from tachyon.kernels.tiling import partials, row_split, sum_partials, tiles
 
 # activation name -> the constexpr code the kernels switch on (gated names use their gate's code)
 _CODES = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3, "qgelu": 4}
@@ -182,12 +182,12 @@ def bias_act_bwd(
     block_m, block_n, num_warps = tiles(f)
     col_blocks = triton.cdiv(f, block_n)
     programs, rows_per_program = row_split(m, block_m, col_blocks, x.device)
-    db_part = torch.empty((programs, k), dtype=torch.float32, device=x.device) if bias is not None else None
+    db_part = partials(programs, 1, k, x.device) if bias is not None else None
     _bias_act_bwd_kernel[(programs, col_blocks)](
         dy, x, bias if bias is not None else x, dx, db_part if db_part is not None else dx,
         m, f, k, dy.stride(0), x.stride(0), dx.stride(0), rows_per_program,
         ACT=_code(activation), GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
-    dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    dbias = sum_partials(db_part, [bias.dtype])[0] if bias is not None else None
     return dx, dbias

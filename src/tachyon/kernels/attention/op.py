@@ -40,20 +40,21 @@ def _attention_fwd(
     """q: [b, h, sq, d], k, v: [b, kvh, sk, d] (unit stride in d), bias: fp32 [b, sk] or None.
     The Philox seed is ``seed_tensor`` (0-dim int64) when given, else ``seed``. ``deterministic``
     only matters to the backward (setup_context keeps it).
-    Returns (out [b, h, sq, d] contiguous in q's dtype, lse [b, h, sq] fp32)."""
+    Returns (out [b, h, sq, d] in q's dtype and memory order (see :func:`empty_in_layout_of`),
+    lse [b, h, sq] fp32)."""
     del deterministic
     s = join_seed(seed, seed_tensor)
+    out = empty_in_layout_of(q)
     if backend == "triton":
         from tachyon.kernels.attention import triton as tri
 
-        return tri.attention_fwd(q, k, v, key_padding_bias, causal, dropout_p, s, softmax_scale)
-    return reference.attention_forward(q, k, v, key_padding_bias, causal, dropout_p, s, softmax_scale)
+        return tri.attention_fwd(q, k, v, key_padding_bias, causal, dropout_p, s, softmax_scale, out=out)
+    return reference.attention_forward(q, k, v, key_padding_bias, causal, dropout_p, s, softmax_scale, out)
 
 
 @_attention_fwd.register_fake
 def _(q, k, v, key_padding_bias, causal, dropout_p, seed, seed_tensor, softmax_scale, deterministic, backend):
-    out = q.new_empty(q.shape)
-    return out, q.new_empty(q.shape[:3], dtype=torch.float32)
+    return empty_in_layout_of(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @fused_op("tachyon::attention_bwd", mutates_args=())
@@ -67,8 +68,9 @@ def _attention_bwd(
     if backend == "triton":
         from tachyon.kernels.attention import triton as tri
 
-        return tri.attention_bwd(dout, q, k, v, out, lse, key_padding_bias, causal, dropout_p, s, softmax_scale,
-                                 deterministic)
+        dq, dk, dv, _ = tri.attention_bwd(dout, q, k, v, out, lse, key_padding_bias, causal, dropout_p, s,
+                                          softmax_scale, None, None, deterministic)
+        return dq, dk, dv
     return reference.attention_backward(dout, q, k, v, out, lse, key_padding_bias, causal, dropout_p, s,
                                         softmax_scale)
 
@@ -82,6 +84,7 @@ def _(dout, q, k, v, out, lse, key_padding_bias, causal, dropout_p, seed, seed_t
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, bias, causal, dropout_p, seed, seed_tensor, softmax_scale, deterministic, backend = inputs
     out, lse = output
+    ctx.set_materialize_grads(False)  # lse gets no gradient: None, not a zero fill
     ctx.causal, ctx.dropout_p, ctx.seed, ctx.softmax_scale = causal, dropout_p, seed, softmax_scale
     ctx.deterministic, ctx.backend = deterministic, backend
     ctx.save_for_backward(q, k, v, out, lse, bias, seed_tensor)
@@ -89,8 +92,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, bias, seed_tensor = ctx.saved_tensors
-    dq, dk, dv = _attention_bwd(
-        dout.contiguous(), q, k, v, out, lse, bias, ctx.causal, ctx.dropout_p, ctx.seed, seed_tensor,
+    dq, dk, dv = _attention_bwd(  # the kernels take dO's strides (as the output's, usually): no copy
+        _unit_last_stride(dout), q, k, v, out, lse, bias, ctx.causal, ctx.dropout_p, ctx.seed, seed_tensor,
         ctx.softmax_scale, ctx.deterministic, ctx.backend,
     )
     return dq, dk, dv, None, None, None, None, None, None, None, None
@@ -146,6 +149,17 @@ def _unit_last_stride(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def empty_in_layout_of(t: Tensor) -> Tensor:
+    """A new dense tensor of t's shape and dtype whose dims lie in memory in the order of t's
+    strides (outermost first; ties keep the dim order). For q = a [b, h, s, d] view of a
+    [b, s, h, d] (or packed [b, s, 3, h, d]) projection, that is [b, s, h, d] memory: the caller's
+    ``out.transpose(1, 2).reshape(b, s, h * d)`` is then a view, not a copy, and the gradient
+    that comes back has the same strides, which the backward kernels read in place.
+    (``torch.empty_like`` keeps the layout only of a dense tensor; a slice of a packed QKV is not.)"""
+    order = sorted(range(t.dim()), key=lambda i: -t.stride(i))  # stable: ties keep the dim order
+    return torch.empty_permuted(t.shape, order, dtype=t.dtype, device=t.device)
+
+
 def attention(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key_padding_bias: Tensor | None = None,
     dropout_p: float = 0.0, seed: int | Tensor | None = None, softmax_scale: float | None = None,
@@ -179,7 +193,12 @@ def attention(
     Rows whose keys are all masked (all -inf) return 0 with zero gradients, not NaN (HF's finfo.min
     masks give a uniform average there instead; rows with one real key agree).
 
-    Returns out [batch, heads, seq_q, head_dim] in q's dtype (contiguous). Saved for backward:
+    Returns out [batch, heads, seq_q, head_dim] in q's dtype, laid out in memory in q's order: for
+    q a [b, h, s, d] view of a [b, s, h, d] projection (the usual split of a QKV GEMM's output),
+    out is [b, s, h, d] memory, so ``out.transpose(1, 2).reshape(b, s, h * d)`` copies nothing; a
+    contiguous q gives a contiguous out. Its gradient may come back with any strides (the kernels
+    read it in place). :func:`attention_qkvpacked` also saves the copy of dq, dk, dv into the
+    packed gradient. Saved for backward:
     q, k, v, out, the fp32 logsumexp [batch, heads, seq_q], the fp32 bias and a tensor seed; the probabilities
     are recomputed and the dropout mask regenerated in backward. Backend: "triton" (CUDA, or the
     CPU interpreter), "torch" (the memory-efficient PyTorch path), or None for tachyon's choice.
@@ -202,4 +221,4 @@ def attention(
     return out
 
 
-__all__ = ["attention"]
+__all__ = ["attention", "empty_in_layout_of"]

@@ -178,10 +178,11 @@ def _scores(qc, kf, bias, causal, seq_q, rows):
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_bias: torch.Tensor | None,
-    causal: bool, dropout_p: float, seed: int, softmax_scale: float,
+    causal: bool, dropout_p: float, seed: int, softmax_scale: float, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward of the CPU backend. Returns (out [b, h, sq, d] in q's dtype, contiguous;
-    lse [b, h, sq] fp32, +inf on fully masked rows so that recomputed probabilities are 0 there).
+    """Forward of the CPU backend. Returns (out [b, h, sq, d] in q's dtype: ``out`` when given
+    (any strides), else contiguous; lse [b, h, sq] fp32, +inf on fully masked rows so that
+    recomputed probabilities are 0 there).
 
     key_padding_bias: None or fp32 [b, sk]. Nothing of size seq_q * seq_k outlives a chunk.
     """
@@ -189,7 +190,8 @@ def attention_forward(
     kv_heads, seq_k = k.shape[1], k.shape[2]
     kf, vf = k.float(), v.float()
     bias = key_padding_bias.float() if key_padding_bias is not None else None
-    out = torch.empty((batch, heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((batch, heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
     dropout = dropout_p > 0.0
     may_have_empty_rows = bias is not None or (causal and seq_q > seq_k)

@@ -63,16 +63,20 @@ def _(x, bias, residual, p, seed, seed_tensor, backend):
 
 @fused_op("tachyon::dropout_bwd", mutates_args=())
 def _dropout_bwd(dout: Tensor, p: float, seed: int, seed_tensor: Tensor | None, want_dbias: bool,
-                 backend: str) -> tuple[Tensor, Tensor]:
-    """dout: [M, N]. Returns (dx = where(keep, dout / (1 - p), 0), fp32 row sum of dx or an empty tensor)."""
-    impl = _tri().dropout_bwd if backend == "triton" else reference.bias_dropout_backward
-    dx, db = impl(dout, p, join_seed(seed, seed_tensor), want_dbias, dout.dtype)
+                 dbias_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor]:
+    """dout: [M, N]. Returns (dx = where(keep, dout / (1 - p), 0), the row sum of dx (summed in fp32,
+    stored in dbias_dtype) or an empty tensor)."""
+    if backend == "triton":
+        dx, db = _tri().dropout_bwd(dout, p, join_seed(seed, seed_tensor), want_dbias, dout.dtype, dbias_dtype)
+    else:
+        dx, db = reference.bias_dropout_backward(dout, p, join_seed(seed, seed_tensor), want_dbias, dout.dtype)
+        db = db.to(dbias_dtype) if db is not None else None
     return dx, (db if db is not None else _empty(dout))
 
 
 @_dropout_bwd.register_fake
-def _(dout, p, seed, seed_tensor, want_dbias, backend):
-    db = dout.new_empty(dout.shape[1], dtype=torch.float32) if want_dbias else _empty(dout)
+def _(dout, p, seed, seed_tensor, want_dbias, dbias_dtype, backend):
+    db = dout.new_empty(dout.shape[1], dtype=dbias_dtype) if want_dbias else _empty(dout)
     return torch.empty_like(dout), db
 
 
@@ -89,10 +93,12 @@ def _bda_backward(ctx, dout):
     dout = dout.contiguous()
     want_dbias = ctx.bias_dtype is not None
     if ctx.p > 0:
-        dx, db = _dropout_bwd(dout, ctx.p, ctx.seed, seed_tensor, want_dbias, ctx.backend)
-    else:  # no dropout: out = x + bias + residual
-        dx, db = dout, (dout.float().sum(0) if want_dbias else None)
-    dbias = db.to(ctx.bias_dtype) if want_dbias else None
+        dx, dbias = _dropout_bwd(dout, ctx.p, ctx.seed, seed_tensor, want_dbias, ctx.bias_dtype or dout.dtype,
+                                 ctx.backend)
+    else:  # no dropout: out = x + bias + residual; one reduction, summed in fp32
+        dx, dbias = dout, (dout.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if want_dbias else None)
+    if not want_dbias:
+        dbias = None
     return dx, dbias, (dout if ctx.has_residual else None), None, None, None, None
 
 
@@ -104,51 +110,63 @@ _bda_fwd.register_autograd(_bda_backward, setup_context=_bda_setup)
 @fused_op("tachyon::bias_dropout_add_norm_fwd", mutates_args=())
 def _bdan_fwd(
     x: Tensor, bias: Tensor | None, residual: Tensor | None, weight: Tensor, ln_bias: Tensor | None,
-    eps: float, p: float, seed: int, seed_tensor: Tensor | None, rms: bool, invertible: bool, backend: str,
+    eps: float, p: float, seed: int, seed_tensor: Tensor | None, rms: bool, invertible: bool, store_z: bool,
+    backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """x, residual: [M, N] contiguous. Returns (y, z, mean, rstd); mean, rstd fp32 [M]."""
-    del invertible  # only changes what setup_context saves
-    impl = _tri().bias_dropout_add_norm_fwd if backend == "triton" else reference.bias_dropout_add_norm_forward
-    return impl(x, bias, residual, weight, ln_bias, eps, p, join_seed(seed, seed_tensor), rms)
+    """x, residual: [M, N] contiguous. Returns (y, z, mean, rstd); mean, rstd fp32 [M]. z is
+    written only when ``store_z`` or the backward reads it (not invertible); the mean only where
+    the backward reads it (neither RMSNorm nor invertible): otherwise empty tensors."""
+    store_z, store_mean = store_z or not invertible, not (rms or invertible)
+    s = join_seed(seed, seed_tensor)
+    if backend == "triton":
+        return _tri().bias_dropout_add_norm_fwd(x, bias, residual, weight, ln_bias, eps, p, s, rms, store_z, store_mean)
+    y, z, mean, rstd = reference.bias_dropout_add_norm_forward(x, bias, residual, weight, ln_bias, eps, p, s, rms)
+    return y, (z if store_z else _empty(x)), (mean if store_mean else _empty(rstd)), rstd
 
 
 @_bdan_fwd.register_fake
-def _(x, bias, residual, weight, ln_bias, eps, p, seed, seed_tensor, rms, invertible, backend):
+def _(x, bias, residual, weight, ln_bias, eps, p, seed, seed_tensor, rms, invertible, store_z, backend):
     stats = x.new_empty(x.shape[0], dtype=torch.float32)
-    return torch.empty_like(x), torch.empty_like(x), stats, torch.empty_like(stats)
+    z = torch.empty_like(x) if store_z or not invertible else _empty(x)
+    return torch.empty_like(x), z, (_empty(stats) if rms or invertible else stats), torch.empty_like(stats)
 
 
 @fused_op("tachyon::bias_dropout_add_norm_bwd", mutates_args=())
 def _bdan_bwd(
     dy: Tensor, saved: Tensor, dz_out: Tensor | None, weight: Tensor, ln_bias: Tensor | None, mean: Tensor,
     rstd: Tensor, p: float, seed: int, seed_tensor: Tensor | None, rms: bool, from_output: bool, want_dbias: bool,
-    want_dres: bool, backend: str,
+    dbias_dtype: torch.dtype, want_dres: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dx, dresidual or empty, fp32 dbias or empty, dweight, dln_bias or empty).
+    """Returns (dx, dresidual or empty, dbias (summed in fp32, stored in dbias_dtype) or empty,
+    dweight, dln_bias or empty).
 
     dresidual is only computed when ``want_dres`` and p > 0; otherwise it equals dx.
     """
-    impl = _tri().bias_dropout_add_norm_bwd if backend == "triton" else reference.bias_dropout_add_norm_backward
-    dx, dres, db, dw, dlnb = impl(
-        dy, saved, dz_out, weight, ln_bias, mean, rstd, p, join_seed(seed, seed_tensor), rms, from_output, want_dbias,
-        want_dres,
-    )
+    s = join_seed(seed, seed_tensor)
+    if backend == "triton":
+        dx, dres, db, dw, dlnb = _tri().bias_dropout_add_norm_bwd(
+            dy, saved, dz_out, weight, ln_bias, mean, rstd, p, s, rms, from_output, want_dbias, want_dres, dbias_dtype)
+    else:
+        dx, dres, db, dw, dlnb = reference.bias_dropout_add_norm_backward(
+            dy, saved, dz_out, weight, ln_bias, mean, rstd, p, s, rms, from_output, want_dbias, want_dres)
+        db = db.to(dbias_dtype) if db is not None else None
     return (dx, dres if dres is not None else _empty(dy), db if db is not None else _empty(dy), dw,
             dlnb if dlnb is not None else _empty(weight))
 
 
 @_bdan_bwd.register_fake
-def _(dy, saved, dz_out, weight, ln_bias, mean, rstd, p, seed, seed_tensor, rms, from_output, want_dbias, want_dres,
-      backend):
+def _(dy, saved, dz_out, weight, ln_bias, mean, rstd, p, seed, seed_tensor, rms, from_output, want_dbias,
+      dbias_dtype, want_dres, backend):
     dres = torch.empty_like(dy) if want_dres and p > 0 else _empty(dy)
-    db = dy.new_empty(dy.shape[1], dtype=torch.float32) if want_dbias else _empty(dy)
+    db = dy.new_empty(dy.shape[1], dtype=dbias_dtype) if want_dbias else _empty(dy)
     dlnb = torch.empty_like(ln_bias) if ln_bias is not None else _empty(weight)
     return torch.empty_like(dy), dres, db, torch.empty_like(weight), dlnb
 
 
 def _bdan_setup(ctx, inputs, output) -> None:
-    x, bias, residual, weight, ln_bias, _eps, p, seed, seed_tensor, rms, invertible, backend = inputs
+    x, bias, residual, weight, ln_bias, _eps, p, seed, seed_tensor, rms, invertible, _store_z, backend = inputs
     y, z, mean, rstd = output
+    ctx.set_materialize_grads(False)  # outputs without a gradient (z, mean, rstd) come as None, no zero fill
     ctx.p, ctx.seed, ctx.rms, ctx.invertible, ctx.backend = p, seed, rms, invertible, backend
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.has_residual, ctx.has_ln_bias = residual is not None, ln_bias is not None
@@ -162,17 +180,20 @@ def _bdan_backward(ctx, dy, dz_out, _dmean, _drstd):
     saved, weight, ln_bias, mean, rstd, seed_tensor = ctx.saved_tensors
     if mean is None:
         mean = rstd  # not read (RMSNorm, or the invertible form)
+    if dy is None:  # only the returned sum z took part in the loss
+        dy = torch.zeros_like(saved)
     use_dz = dz_out is not None and dz_out.numel() > 0
     want_dbias = ctx.bias_dtype is not None
     dx, dres, db, dw, dlnb = _bdan_bwd(
         dy.contiguous(), saved, dz_out.contiguous() if use_dz else None, weight, ln_bias, mean, rstd, ctx.p,
-        ctx.seed, seed_tensor, ctx.rms, ctx.invertible, want_dbias, ctx.has_residual, ctx.backend,
+        ctx.seed, seed_tensor, ctx.rms, ctx.invertible, want_dbias, ctx.bias_dtype or dy.dtype, ctx.has_residual,
+        ctx.backend,
     )
     dresidual = None
     if ctx.has_residual:
         dresidual = dres if ctx.p > 0 else dx
-    dbias = db.to(ctx.bias_dtype) if want_dbias else None
-    return (dx, dbias, dresidual, dw, (dlnb if ctx.has_ln_bias else None), None, None, None, None, None, None, None)
+    dbias = db if want_dbias else None
+    return (dx, dbias, dresidual, dw, (dlnb if ctx.has_ln_bias else None)) + (None,) * 8
 
 
 _bdan_fwd.register_autograd(_bdan_backward, setup_context=_bdan_setup)
@@ -234,9 +255,12 @@ def bias_dropout_add(
 def bias_dropout_add_layer_norm(
     x: Tensor, bias: Tensor | None, residual: Tensor | None, weight: Tensor, ln_bias: Tensor | None, eps: float,
     p: float, seed: int | Tensor | None, *, training: bool = True, invertible: bool = False, rms: bool = False,
-    backend: str | None = None,
-) -> tuple[Tensor, Tensor]:
+    return_residual: bool = True, backend: str | None = None,
+) -> tuple[Tensor, Tensor] | Tensor:
     """(y, z): z = residual + dropout(x + bias), y = LayerNorm(z) * weight + ln_bias (RMSNorm if ``rms``).
+
+    ``return_residual=False`` returns y alone, for a caller that does not add z to anything (a
+    post-LN layer): with ``invertible`` z is then never written (the backward reads y).
 
     x, residual: [..., N] (residual may be None); bias, weight, ln_bias: [N] (bias, ln_bias may be
     None). Dropout as in :func:`bias_dropout_add`. z and y are in x's dtype; statistics in fp32,
@@ -259,11 +283,13 @@ def bias_dropout_add_layer_norm(
     if chosen == "triton" and n > MAX_TRITON_N:
         raise ValueError(f"{op}: the Triton kernel handles rows of up to {MAX_TRITON_N} elements; got {n} (use backend='torch')")
     r2 = residual.reshape(-1, n).contiguous() if residual is not None else None
+    if not isinstance(return_residual, bool):
+        raise ValueError(f"{op}: return_residual must be True or False; got {return_residual!r}")
     y, z, _, _ = _bdan_fwd(
         x.reshape(-1, n).contiguous(), bias, r2, weight, ln_bias, float(eps), p, seed, seed_tensor, bool(rms),
-        bool(invertible), chosen,
+        bool(invertible), return_residual, chosen,
     )
-    return y.view(x.shape), z.view(x.shape)
+    return (y.view(x.shape), z.view(x.shape)) if return_residual else y.view(x.shape)
 
 
 __all__ = ["bias_dropout_add", "bias_dropout_add_layer_norm"]

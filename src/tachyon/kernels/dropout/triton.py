@@ -8,7 +8,7 @@ argument (an int) or loaded from a 0-dim int64 tensor (SEED_FROM_PTR); same valu
 bias_dropout_add: 2-D tiles, out = residual + where(keep, (x + b) * scale, 0) in fp32, stored in
 x's dtype. Backward: each program owns a column block and walks a range of rows, writing
 dx = where(keep, dout * scale, 0) and summing dx over its rows for the bias gradient (fp32
-partials per program, summed by the launcher). dresidual is dout itself (no kernel).
+partials per program, summed in one more launch by kernels/tiling.py ``sum_partials``). dresidual is dout itself (no kernel).
 
 bias_dropout_add_layer_norm, one row per program: z = residual + dropout(x + b), stored, then
 rounded to its storage dtype so y is normalized from exactly the z the caller gets; then
@@ -20,7 +20,8 @@ form ((y - ln_b) / w),
     g = dy * w;  dz = rstd * (g - xhat * mean(g * xhat) - mean(g))   (no mean(g) term for RMSNorm)
     dz += dz_out;  dresidual = dz;  dx = where(keep, dz * scale, 0)
 
-accumulating dweight (dy * xhat), dln_bias (dy) and dbias (dx) partials per program. The norm's
+accumulating dweight (dy * xhat), dln_bias (dy) and dbias (dx) partials per program, all three
+summed by one more launch (``sum_partials``). The norm's
 row math (statistics; xhat and dz) is kernels/layernorm's ``row_stats`` / ``row_grad``.
 """
 
@@ -33,7 +34,7 @@ import triton.language as tl
 from tachyon.kernels.dropout.reference import dropout_scale
 from tachyon.kernels.layernorm.triton import row_config, row_grad, row_stats
 from tachyon.kernels.random.triton import load_seed, seed_args
-from tachyon.kernels.tiling import max_programs, row_split, tiles
+from tachyon.kernels.tiling import max_programs, partials, row_programs, row_split, sum_partials, tiles
 
 
 @triton.jit
@@ -89,7 +90,8 @@ def _bda_bwd_kernel(
 def _bda_norm_fwd_kernel(
     X, B, R, W, LNB, Y, Z, MEAN, RSTD, N, stride_x, stride_r, stride_y, stride_z, eps, seed, SEED_PTR, p, scale,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_LNB: tl.constexpr, DROPOUT: tl.constexpr,
-    SEED_FROM_PTR: tl.constexpr, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEED_FROM_PTR: tl.constexpr, IS_RMS: tl.constexpr, STORE_Z: tl.constexpr, STORE_MEAN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     seed = load_seed(seed, SEED_PTR, SEED_FROM_PTR)
     row = tl.program_id(0).to(tl.int64)
@@ -103,11 +105,13 @@ def _bda_norm_fwd_kernel(
         h = tl.where(keep, h * scale, 0.0)
     if HAS_RES:
         h += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-    z = h.to(Z.dtype.element_ty)
-    tl.store(Z + row * stride_z + cols, z, mask=mask)
+    z = h.to(Z.dtype.element_ty)  # rounded to its storage dtype whether stored or not
+    if STORE_Z:
+        tl.store(Z + row * stride_z + cols, z, mask=mask)
     z = z.to(tl.float32)  # 0 past N, like every term summed into it
     mean, rstd, centered = row_stats(z, mask, N, eps, IS_RMS)
-    tl.store(MEAN + row, mean)
+    if STORE_MEAN:
+        tl.store(MEAN + row, mean)
     tl.store(RSTD + row, rstd)
     y = centered * rstd * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_LNB:
@@ -118,7 +122,7 @@ def _bda_norm_fwd_kernel(
 @triton.jit
 def _bda_norm_bwd_kernel(
     DY, SAVED, DZ_OUT, W, LNB, MEAN, RSTD, DX, DRES, DW_PART, DLNB_PART, DB_PART,
-    M, N, stride_dy, stride_s, stride_dzo, stride_dx, stride_dr, rows_per_program, seed, SEED_PTR, p, scale,
+    M, N, stride_dy, stride_s, stride_dzo, stride_dx, stride_dr, stride_part, rows_per_program, seed, SEED_PTR, p, scale,
     HAS_LNB: tl.constexpr, HAS_DZ_OUT: tl.constexpr, STORE_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr, SEED_FROM_PTR: tl.constexpr, IS_RMS: tl.constexpr, FROM_OUTPUT: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -156,11 +160,11 @@ def _bda_norm_bwd_kernel(
             dlnb += dy
         if HAS_BIAS:
             db += tl.where(mask, dx, 0.0)
-    tl.store(DW_PART + pid * N + cols, dw, mask=mask)
+    tl.store(DW_PART + pid * stride_part + cols, dw, mask=mask)
     if HAS_LNB:
-        tl.store(DLNB_PART + pid * N + cols, dlnb, mask=mask)
+        tl.store(DLNB_PART + pid * stride_part + cols, dlnb, mask=mask)
     if HAS_BIAS:
-        tl.store(DB_PART + pid * N + cols, db, mask=mask)
+        tl.store(DB_PART + pid * stride_part + cols, db, mask=mask)
 
 
 def bias_dropout_add_fwd(
@@ -185,34 +189,38 @@ def bias_dropout_add_fwd(
 
 def dropout_bwd(
     dout: torch.Tensor, p: float, seed: int | torch.Tensor, want_dbias: bool, dx_dtype: torch.dtype,
+    dbias_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dout: [M, N]. Returns (dx = where(keep, dout * scale, 0) in dx_dtype, fp32 column sums of dx or None)."""
+    """dout: [M, N]. Returns (dx = where(keep, dout * scale, 0) in dx_dtype, the column sums of dx
+    (fp32 sums stored in dbias_dtype) or None)."""
     m, n = dout.shape
     dx = torch.empty((m, n), dtype=dx_dtype, device=dout.device)
     if dx.numel() == 0:
-        return dx, (torch.zeros(n, dtype=torch.float32, device=dout.device) if want_dbias else None)
+        return dx, (torch.zeros(n, dtype=dbias_dtype, device=dout.device) if want_dbias else None)
     block_m, block_n, num_warps = tiles(n)
     col_blocks = triton.cdiv(n, block_n)
     programs, rows_per_program = row_split(m, block_m, col_blocks, dout.device)
-    db_part = torch.empty((programs, n), dtype=torch.float32, device=dout.device) if want_dbias else None
+    db_part = partials(programs, 1, n, dout.device) if want_dbias else None
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, dx)
     _bda_bwd_kernel[(programs, col_blocks)](
         dout, dx, db_part if db_part is not None else dx, m, n, dout.stride(0), dx.stride(0), rows_per_program,
         seed_int, seed_ptr, p, dropout_scale(p), HAS_BIAS=want_dbias, DROPOUT=p > 0,
         SEED_FROM_PTR=seed_from_ptr, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
-    return dx, (db_part.sum(0) if db_part is not None else None)
+    return dx, (sum_partials(db_part, [dbias_dtype])[0] if db_part is not None else None)
 
 
 def bias_dropout_add_norm_fwd(
     x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, weight: torch.Tensor,
     ln_bias: torch.Tensor | None, eps: float, p: float, seed: int | torch.Tensor, rms: bool,
+    store_z: bool = True, store_mean: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x, residual: [M, N] with unit last stride. Returns (y, z, mean, rstd); stats fp32 [M]."""
+    """x, residual: [M, N] with unit last stride. Returns (y, z, mean, rstd); stats fp32 [M]. z
+    and mean are empty tensors, never written, unless ``store_z`` / ``store_mean``."""
     m, n = x.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    z = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    mean = torch.empty(m, dtype=torch.float32, device=x.device)
+    z = torch.empty((m if store_z else 0, n), dtype=x.dtype, device=x.device)
+    mean = torch.empty(m if store_mean else 0, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
         return y, z, mean, rstd
@@ -220,11 +228,12 @@ def bias_dropout_add_norm_fwd(
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, rstd)
     _bda_norm_fwd_kernel[(m,)](
         x, bias if bias is not None else x, residual if residual is not None else x, weight,
-        ln_bias if ln_bias is not None else weight, y, z, mean, rstd,
+        ln_bias if ln_bias is not None else weight, y, z if store_z else y, mean if store_mean else rstd, rstd,
         n, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), z.stride(0),
         eps, seed_int, seed_ptr, p, dropout_scale(p),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_LNB=ln_bias is not None, DROPOUT=p > 0,
-        SEED_FROM_PTR=seed_from_ptr, IS_RMS=rms, BLOCK_N=block_n, num_warps=num_warps,
+        SEED_FROM_PTR=seed_from_ptr, IS_RMS=rms, STORE_Z=store_z, STORE_MEAN=store_mean, BLOCK_N=block_n,
+        num_warps=num_warps,
     )
     return y, z, mean, rstd
 
@@ -232,11 +241,12 @@ def bias_dropout_add_norm_fwd(
 def bias_dropout_add_norm_bwd(
     dy: torch.Tensor, saved: torch.Tensor, dz_out: torch.Tensor | None, weight: torch.Tensor,
     ln_bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, p: float, seed: int | torch.Tensor,
-    rms: bool, from_output: bool, want_dbias: bool, want_dres: bool,
+    rms: bool, from_output: bool, want_dbias: bool, want_dres: bool, dbias_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """dy, saved (z, or y when from_output), dz_out: [M, N].
 
-    Returns (dx, dresidual or None, fp32 dbias or None, dweight, dln_bias or None). dresidual is
+    Returns (dx, dresidual or None, dbias (fp32 sums stored in dbias_dtype) or None, dweight,
+    dln_bias or None). dresidual is
     written only when ``want_dres`` and there is dropout (without dropout it equals dx).
     """
     m, n = dy.shape
@@ -245,14 +255,17 @@ def bias_dropout_add_norm_bwd(
     dres = torch.empty_like(dx) if store_dres else None
     if m == 0:
         zeros = lambda t: torch.zeros(n, dtype=t.dtype, device=dy.device)  # noqa: E731
-        return (dx, dres, torch.zeros(n, dtype=torch.float32, device=dy.device) if want_dbias else None,
+        return (dx, dres, torch.zeros(n, dtype=dbias_dtype, device=dy.device) if want_dbias else None,
                 zeros(weight), zeros(ln_bias) if ln_bias is not None else None)
-    programs = max(1, min(m, max_programs(dy.device) // 2))
+    programs = row_programs(m, dy.device, max_programs(dy.device) // 2)
     rows_per_program = triton.cdiv(m, programs)
     programs = triton.cdiv(m, rows_per_program)
-    # every program writes its whole row of partial sums: no zero fill needed
-    parts = lambda want: torch.empty((programs, n), dtype=torch.float32, device=dy.device) if want else None  # noqa: E731
-    dw_part, dlnb_part, db_part = parts(True), parts(ln_bias is not None), parts(want_dbias)
+    # the partial sums of dweight, dln_bias, dbias (those wanted): groups of one buffer, one launch to sum
+    groups = [weight.dtype] + ([ln_bias.dtype] if ln_bias is not None else []) + ([dbias_dtype] if want_dbias else [])
+    part = partials(programs, len(groups), n, dy.device)
+    dw_part = part[:, :n]
+    dlnb_part = part[:, n:2 * n] if ln_bias is not None else None
+    db_part = part[:, (len(groups) - 1) * n:] if want_dbias else None
     block_n, num_warps = row_config(n)
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, rstd)
     _bda_norm_bwd_kernel[(programs,)](
@@ -260,10 +273,12 @@ def bias_dropout_add_norm_bwd(
         mean, rstd, dx, dres if dres is not None else dx, dw_part,
         dlnb_part if dlnb_part is not None else dw_part, db_part if db_part is not None else dw_part,
         m, n, dy.stride(0), saved.stride(0), dz_out.stride(0) if dz_out is not None else 0, dx.stride(0),
-        dres.stride(0) if dres is not None else 0, rows_per_program, seed_int, seed_ptr, p, dropout_scale(p),
+        dres.stride(0) if dres is not None else 0, part.stride(0), rows_per_program, seed_int, seed_ptr, p,
+        dropout_scale(p),
         HAS_LNB=ln_bias is not None, HAS_DZ_OUT=dz_out is not None, STORE_DRES=store_dres, HAS_BIAS=want_dbias,
         DROPOUT=p > 0, SEED_FROM_PTR=seed_from_ptr, IS_RMS=rms, FROM_OUTPUT=from_output, BLOCK_N=block_n, num_warps=num_warps,
     )
-    dw = dw_part.sum(0).to(weight.dtype)
-    dlnb = dlnb_part.sum(0).to(ln_bias.dtype) if dlnb_part is not None else None
-    return dx, dres, (db_part.sum(0) if db_part is not None else None), dw, dlnb
+    sums = sum_partials(part, groups)
+    dw = sums[0]
+    dlnb = sums[1] if ln_bias is not None else None
+    return dx, dres, (sums[-1] if want_dbias else None), dw, dlnb

@@ -33,22 +33,24 @@ def _norm_fwd(
     x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
     eps: float, is_rms: bool, invertible: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """x, residual: [M, N] contiguous. Returns (y, z or an empty tensor, mean, rstd)."""
-    del invertible  # only changes what setup_context saves
+    """x, residual: [M, N] contiguous. Returns (y, z or an empty tensor, mean or an empty tensor,
+    rstd): the mean is neither written nor returned where the backward does not read it (RMSNorm,
+    the invertible form)."""
+    store_mean = not (is_rms or invertible)
     if backend == "triton":
         from tachyon.kernels.layernorm import triton as tri
 
-        y, z, mean, rstd = tri.norm_fwd(x, weight, bias, residual, eps, is_rms)
+        y, z, mean, rstd = tri.norm_fwd(x, weight, bias, residual, eps, is_rms, store_mean)
     else:
         y, z, mean, rstd = reference.norm_forward(x, weight, bias, residual, eps, is_rms)
-    return y, (z if residual is not None else _empty(x)), mean, rstd
+    return y, (z if residual is not None else _empty(x)), (mean if store_mean else _empty(rstd)), rstd
 
 
 @_norm_fwd.register_fake
 def _(x, weight, bias, residual, eps, is_rms, invertible, backend):
     stats = x.new_empty(x.shape[0], dtype=torch.float32)
     z = torch.empty_like(x) if residual is not None else _empty(x)
-    return torch.empty_like(x), z, stats, torch.empty_like(stats)
+    return torch.empty_like(x), z, (_empty(stats) if is_rms or invertible else stats), torch.empty_like(stats)
 
 
 @fused_op("tachyon::norm_bwd", mutates_args=())
@@ -75,6 +77,7 @@ def _(dy, saved, dz_out, weight, bias, mean, rstd, is_rms, from_output, backend)
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, bias, residual, _eps, is_rms, invertible, backend = inputs
     y, z, mean, rstd = output
+    ctx.set_materialize_grads(False)  # outputs without a gradient (z, mean, rstd) come as None, no zero fill
     ctx.is_rms, ctx.invertible, ctx.backend = is_rms, invertible, backend
     ctx.has_residual, ctx.has_bias = residual is not None, bias is not None
     if invertible:
@@ -88,6 +91,8 @@ def _backward(ctx, dy, dz_out, _dmean, _drstd):
     saved, weight, bias, mean, rstd = ctx.saved_tensors
     if mean is None:
         mean = rstd  # not read by the kernels (RMSNorm, or invertible)
+    if dy is None:  # only the returned sum z took part in the loss
+        dy = torch.zeros_like(saved)
     use_dz = ctx.has_residual and dz_out is not None and dz_out.numel() > 0
     dx, dw, db = _norm_bwd(
         dy.contiguous(), saved, dz_out.contiguous() if use_dz else None, weight, bias, mean, rstd,
@@ -97,6 +102,33 @@ def _backward(ctx, dy, dz_out, _dmean, _drstd):
 
 
 _norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _NormWithInputBranch(torch.autograd.Function):
+    """(y = norm(x), x as a view) for a caller that also adds x to a residual branch (a pre-LN
+    block: y feeds the block, x the residual). Autograd would get two gradients for x, the norm's
+    dx and the branch's, and add them in a separate pass; here both belong to this node, and the
+    norm's backward kernel adds the branch's gradient as its ``dz_out`` (read once, no extra
+    write). Saves what the norm op saves."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, is_rms, invertible, backend):
+        y, _, mean, rstd = _norm_fwd(x, weight, bias, None, eps, is_rms, invertible, backend)
+        ctx.set_materialize_grads(False)
+        ctx.is_rms, ctx.invertible, ctx.backend, ctx.has_bias = is_rms, invertible, backend, bias is not None
+        ctx.save_for_backward(y if invertible else x, weight, bias, None if is_rms or invertible else mean, rstd)
+        return y, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy, dx_branch):
+        saved, weight, bias, mean, rstd = ctx.saved_tensors
+        if dy is None:  # only the branch took part in the loss
+            return dx_branch, None, None, None, None, None, None
+        dx, dw, db = _norm_bwd(
+            dy.contiguous(), saved, dx_branch.contiguous() if dx_branch is not None else None, weight, bias,
+            rstd if mean is None else mean, rstd, ctx.is_rms, ctx.invertible, ctx.backend,
+        )
+        return dx, dw, (db if ctx.has_bias else None), None, None, None, None
 
 
 def _fused_norm(
@@ -125,11 +157,14 @@ def _fused_norm(
     shape = x.shape
     x2 = x.reshape(-1, n).contiguous()
     r2 = residual.reshape(-1, n).contiguous() if residual is not None else None
+    if return_residual and residual is None:  # z = x: its branch's gradient joins the norm's backward
+        y, x_branch = _NormWithInputBranch.apply(x2, weight, bias, float(eps), is_rms, invertible, chosen)
+        return y.view(shape), x_branch.view(shape)
     y, z, _, _ = _norm_fwd(x2, weight, bias, r2, float(eps), is_rms, invertible, chosen)
     y = y.view(shape)
     if not return_residual:
         return y
-    return y, (z.view(shape) if residual is not None else x)
+    return y, z.view(shape)
 
 
 def layer_norm(
@@ -140,8 +175,10 @@ def layer_norm(
     """LayerNorm over the last dim of ``x`` [..., N], optionally of ``x + residual``.
 
     weight, bias: [N] (bias may be None). Returns y in x's dtype, or (y, z) with z = x + residual
-    when ``return_residual`` (the sum the next block adds to). ``invertible`` saves the output
-    instead of the input for backward. Dtypes: float32, float16, bfloat16.
+    when ``return_residual`` (the sum the next block adds to; without a residual, z is x itself,
+    as a view whose gradient the norm's backward kernel adds to x's: no separate add).
+    ``invertible`` saves the output instead of the input for backward. Dtypes: float32, float16,
+    bfloat16.
     """
     return _fused_norm("layer_norm", x, weight, bias, residual, eps, False, return_residual, invertible, backend)
 

@@ -11,7 +11,7 @@ be kept for backward):
     dz  = rstd * (g - xhat * mean(g * xhat))                 (RMSNorm)
     dz += dz_out                                             (gradient of the returned z, if any)
 and accumulates per-program partial sums of dy * xhat (dgamma) and dy (dbeta) in fp32, which the
-launcher sums over programs. dx and dresidual are both dz.
+launcher sums over programs in one more launch (kernels/tiling.py ``sum_partials``). dx and dresidual are both dz.
 
 The row math (:func:`row_stats`, :func:`row_grad`) is shared with the fused
 bias + dropout + residual + norm kernels of kernels/dropout.
@@ -22,6 +22,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tachyon.kernels import tiling
+from tachyon.kernels.tiling import partials, sum_partials
 
 
 @triton.jit
@@ -71,7 +74,7 @@ def _norm_fwd_kernel(
     stride_x, stride_r, stride_y, stride_z,
     N, eps,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    STORE_MEAN: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -85,7 +88,8 @@ def _norm_fwd_kernel(
         tl.store(Z + row * stride_z + cols, z, mask=mask)
         z = z.to(tl.float32)
     mean, rstd, centered = row_stats(z, mask, N, eps, IS_RMS)
-    tl.store(MEAN + row, mean)
+    if STORE_MEAN:
+        tl.store(MEAN + row, mean)
     tl.store(RSTD + row, rstd)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     y = centered * rstd * w
@@ -97,7 +101,7 @@ def _norm_fwd_kernel(
 @triton.jit
 def _norm_bwd_kernel(
     DY, SAVED, DZ_OUT, W, B, MEAN, RSTD, DX, DW_PART, DB_PART,
-    stride_dy, stride_saved, stride_dzo, stride_dx,
+    stride_dy, stride_saved, stride_dzo, stride_dx, stride_part,
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DZ_OUT: tl.constexpr,
     FROM_OUTPUT: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -125,9 +129,9 @@ def _norm_bwd_kernel(
         dw_acc += dy * xhat
         if HAS_BIAS:
             db_acc += dy
-    tl.store(DW_PART + pid * N + cols, dw_acc, mask=mask)
+    tl.store(DW_PART + pid * stride_part + cols, dw_acc, mask=mask)
     if HAS_BIAS:
-        tl.store(DB_PART + pid * N + cols, db_acc, mask=mask)
+        tl.store(DB_PART + pid * stride_part + cols, db_acc, mask=mask)
 
 
 def row_config(n: int) -> tuple[int, int]:
@@ -144,31 +148,27 @@ def norm_fwd(
     residual: torch.Tensor | None,
     eps: float,
     is_rms: bool,
+    store_mean: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """x, residual: [M, N] with unit stride in the last dim. Returns (y, z or None, mean, rstd)."""
+    """x, residual: [M, N] with unit stride in the last dim. Returns (y, z or None, mean, rstd);
+    mean is an empty tensor unless ``store_mean`` (a backward from rstd alone, RMSNorm or the
+    invertible form, does not read it)."""
     m, n = x.shape
     y = torch.empty_like(x)
     z = torch.empty_like(x) if residual is not None else None
-    mean = torch.empty(m, dtype=torch.float32, device=x.device)
+    mean = torch.empty(m if store_mean else 0, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     block_n, num_warps = row_config(n)
     _norm_fwd_kernel[(m,)](
         x, residual if residual is not None else x, weight, bias if bias is not None else weight,
-        y, z if z is not None else y, mean, rstd,
+        y, z if z is not None else y, mean if store_mean else rstd, rstd,
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         z.stride(0) if z is not None else 0,
         n, eps,
         IS_RMS=is_rms, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        STORE_Z=residual is not None, BLOCK_N=block_n, num_warps=num_warps,
+        STORE_Z=residual is not None, STORE_MEAN=store_mean, BLOCK_N=block_n, num_warps=num_warps,
     )
     return y, z, mean, rstd
-
-
-def _num_programs(m: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(m, 4 * sms))
-    return max(1, min(m, 8))  # interpreter: each program costs milliseconds
 
 
 def norm_bwd(
@@ -186,20 +186,22 @@ def norm_bwd(
     """dy, saved (z, or y when from_output), dz_out: [M, N]. Returns (dz, dweight, dbias)."""
     m, n = dy.shape
     dx = torch.empty((m, n), dtype=dx_dtype, device=dy.device)
-    programs = _num_programs(m, dy.device)
+    programs = tiling.row_programs(m, dy.device, 8)  # interpreter: 8 (each program costs milliseconds)
     rows_per_program = triton.cdiv(m, programs)
     programs = triton.cdiv(m, rows_per_program)
-    dw_part = torch.empty((programs, n), dtype=torch.float32, device=dy.device)
-    db_part = torch.empty((programs, n), dtype=torch.float32, device=dy.device) if bias is not None else None
+    # partial sums of dweight (and dbias): group 0 (and 1) of one buffer, summed in one launch
+    part = partials(programs, 1 if bias is None else 2, n, dy.device)
     block_n, num_warps = row_config(n)
     _norm_bwd_kernel[(programs,)](
         dy, saved, dz_out if dz_out is not None else dy, weight, bias if bias is not None else weight,
-        mean, rstd, dx, dw_part, db_part if db_part is not None else dw_part,
-        dy.stride(0), saved.stride(0), dz_out.stride(0) if dz_out is not None else 0, dx.stride(0),
+        mean, rstd, dx, part, part[:, n:] if bias is not None else part,
+        dy.stride(0), saved.stride(0), dz_out.stride(0) if dz_out is not None else 0, dx.stride(0), part.stride(0),
         m, n, rows_per_program,
         IS_RMS=is_rms, HAS_BIAS=bias is not None, HAS_DZ_OUT=dz_out is not None,
         FROM_OUTPUT=from_output, BLOCK_N=block_n, num_warps=num_warps,
     )
-    dw = dw_part.sum(0).to(weight.dtype)
-    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    if bias is None:
+        (dw,) = sum_partials(part, [weight.dtype])
+        return dx, dw, None
+    dw, db = sum_partials(part, [weight.dtype, bias.dtype])
     return dx, dw, db

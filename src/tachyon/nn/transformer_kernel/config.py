@@ -41,8 +41,8 @@ class TransformerKernelConfig:
     their output instead of their input and backpropagate from it), ``gelu_checkpoint`` (the GELU
     output is not saved; recomputed from the pre-activation in backward), ``attn_dropout_checkpoint``
     (the attention probabilities are never stored anyway, flash attention; this flag also drops the
-    QKV projection output and the attention output, recomputing them from the layer input in
-    backward).
+    QKV projection output and the attention's logsumexp, recomputing them from the layer input in
+    backward; the attention output is the output projection's input, kept by that GEMM).
 
     ``stochastic_mode``: DeepSpeed's speed-for-reproducibility trade. True makes the attention
     backward on the Triton backend use its non-deterministic variant (``attention(...,

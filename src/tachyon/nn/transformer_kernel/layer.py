@@ -16,11 +16,18 @@ Pre-LN (``pre_layer_norm=True``, the default), DeepSpeed's pre-LN BERT layer
 so in pre-LN the *first* LayerNorm is ``norm_w/norm_b`` and the one before the FFN is
 ``attn_nw/attn_nb``; the final LayerNorm of a pre-LN stack is outside the layer (as in DeepSpeed).
 
-The ops, in order: F.linear (QKV) -> ``attention`` (flash-style; saves q, k, v, out and the row
-logsumexp; the [seq, seq] probabilities and their dropout mask are never stored) -> F.linear
-(Wo, no bias) -> ``bias_dropout_add_layer_norm`` (bias + dropout + residual + LN in one op; the
-dropout mask is regenerated from its Philox seed in backward) -> F.linear (Wi, no bias) ->
-``bias_act_linear`` (bias + erf-GELU + the Wout GEMM as one op) -> ``bias_dropout_add[_layer_norm]``.
+The ops, in order: the QKV GEMM without its bias -> ``attention_qkvpacked`` (flash-style, on the
+packed [batch, seq, 3 * hidden] GEMM output: adds attn_qkvb as it loads q, k, v and sums its
+gradient; writes the context in [batch, seq, hidden] and dq, dk, dv into one packed gradient;
+saves the packed qkv, the context and the row logsumexp; the [seq, seq] probabilities and their
+dropout mask are never stored) -> F.linear (Wo, no bias) -> ``bias_dropout_add_layer_norm`` (bias
++ dropout + residual + LN in one op; the dropout mask is regenerated from its Philox seed in
+backward) -> F.linear (Wi, no bias) -> ``bias_act_linear`` (bias + erf-GELU + the Wout GEMM as one
+op) -> ``bias_dropout_add[_layer_norm]``. Tensors that feed a residual and something else get
+one gradient, not two added afterwards: in post-LN x and y1 feed a GEMM (``linear_with_residual``:
+the dX GEMM accumulates the residual's gradient), in pre-LN x feeds LN_in (``layer_norm(...,
+return_residual=True)``: its backward kernel adds it). Bytes and launches of a step:
+docs/traffic.md.
 
 Dropout is reproducible: every dropout site (attention probabilities, attention output, FFN
 output) of every training forward gets its own Philox seed, a hash of (the layer's seed,
@@ -327,18 +334,24 @@ class TransformerKernelLayer(nn.Module):
         if not 1 <= seq <= c.max_seq_length:
             raise ValueError(f"hidden_states has sequence length {seq}; allowed: 1 to config.max_seq_length={c.max_seq_length}")
 
-    def _attention(self, x: Tensor, bias: Tensor | None, dropout_p: float, seed: int | Tensor) -> Tensor:
-        """[LN_in ->] QKV GEMM -> flash attention -> the context [batch, seq, hidden] (before Wo)."""
+    def _attention(self, x: Tensor, bias: Tensor | None, dropout_p: float, seed: int | Tensor) -> tuple[Tensor, Tensor]:
+        """[LN_in ->] QKV GEMM -> flash attention -> (the context [batch, seq, hidden] (before Wo),
+        x as a view for the residual branch: from K.linear_with_residual (post-LN) or from LN_in
+        (pre-LN), so that x's two gradients are summed inside a GEMM or a kernel, not by an add).
+
+        The GEMM runs without its bias: the attention kernels add attn_qkvb as they load q, k, v
+        from the packed [batch, seq, 3 * hidden] output, and sum its gradient; they write the
+        context in [batch, seq, hidden] and dq, dk, dv into one packed gradient (no copies)."""
         c = self.config
-        if c.pre_layer_norm:
-            x = K.layer_norm(x, self.norm_w, self.norm_b, eps=c.layer_norm_eps,
-                             invertible=c.normalize_invertible, backend=self.backend)
-        batch, seq, hidden = x.shape
-        qkv = F.linear(x, self.attn_qkvw, self.attn_qkvb).view(batch, seq, 3, c.heads, c.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [batch, heads, seq, head_dim]
-        ctx = K.attention(q, k, v, key_padding_bias=bias, dropout_p=dropout_p, seed=seed,
-                          deterministic=not c.stochastic_mode, backend=self.backend)
-        return ctx.transpose(1, 2).reshape(batch, seq, hidden)
+        if c.pre_layer_norm:  # x is also LN_attn's residual: its two gradients are summed by LN_in's backward
+            x, residual = K.layer_norm(x, self.norm_w, self.norm_b, eps=c.layer_norm_eps, return_residual=True,
+                                       invertible=c.normalize_invertible, backend=self.backend)
+            qkv = F.linear(x, self.attn_qkvw)
+        else:  # x is also LN_attn's residual: its two gradients are summed by the QKV dX GEMM
+            qkv, residual = K.linear_with_residual(x, self.attn_qkvw)
+        ctx = K.attention_qkvpacked(qkv, c.heads, qkv_bias=self.attn_qkvb, key_padding_bias=bias, dropout_p=dropout_p,
+                                    seed=seed, deterministic=not c.stochastic_mode, backend=self.backend)
+        return ctx, residual
 
     def _forward(self, x: Tensor, bias: Tensor | None, active: bool, seeds: list[int] | list[Tensor],
                  scale: float = 1.0) -> Tensor:
@@ -348,27 +361,35 @@ class TransformerKernelLayer(nn.Module):
         p_hidden = c.hidden_dropout_ratio if active else 0.0
         eps, inv, be = c.layer_norm_eps, c.normalize_invertible, self.backend
         if c.attn_dropout_checkpoint and active and torch.is_grad_enabled():
-            # keep only the region's input (the layer input, saved anyway); QKV, q/k/v, the
-            # attention output and logsumexp are recomputed in backward with the same seed
-            ctx = torch.utils.checkpoint.checkpoint(self._attention, x, bias, p_attn, seeds[_SITE_ATTN_PROBS],
-                                                    use_reentrant=False, preserve_rng_state=False)
+            # keep only the region's input (the layer input, saved anyway); the packed QKV and
+            # the logsumexp are recomputed in backward with the same seed
+            ctx, x_res = torch.utils.checkpoint.checkpoint(self._attention, x, bias, p_attn, seeds[_SITE_ATTN_PROBS],
+                                                           use_reentrant=False, preserve_rng_state=False)
         else:
-            ctx = self._attention(x, bias, p_attn, seeds[_SITE_ATTN_PROBS])
+            ctx, x_res = self._attention(x, bias, p_attn, seeds[_SITE_ATTN_PROBS])
         a, attn_ob = F.linear(ctx, self.attn_ow), self.attn_ob
         if scale != 1.0:
             a, attn_ob = a * scale, attn_ob * scale
-        y1, z1 = K.bias_dropout_add_layer_norm(a, attn_ob, x, self.attn_nw, self.attn_nb, eps, p_hidden,
-                                               seeds[_SITE_ATTN_OUT], training=active, invertible=inv, backend=be)
-        f = K.bias_act_linear(F.linear(y1, self.inter_w), self.inter_b, "gelu", self.output_w, None,
-                              checkpoint_activation=c.gelu_checkpoint, backend=be)
+        pre = c.pre_layer_norm  # pre-LN: z1 is the residual stream; post-LN: only y1 is used (with
+        # normalize_invertible, z1 is then never written)
+        normed = K.bias_dropout_add_layer_norm(a, attn_ob, x_res, self.attn_nw, self.attn_nb,
+                                               eps, p_hidden, seeds[_SITE_ATTN_OUT], training=active, invertible=inv,
+                                               return_residual=pre, backend=be)
+        y1, z1 = normed if pre else (normed, None)
+        if c.pre_layer_norm:
+            h, y1_res = F.linear(y1, self.inter_w), None
+        else:  # y1 is also LN_out's residual: its two gradients are summed by the Wi dX GEMM
+            h, y1_res = K.linear_with_residual(y1, self.inter_w)
+        f = K.bias_act_linear(h, self.inter_b, "gelu", self.output_w, None, checkpoint_activation=c.gelu_checkpoint,
+                              backend=be)
         if c.pre_layer_norm:
             output_b = self.output_b
             if scale != 1.0:
                 f, output_b = f * scale, output_b * scale
             return K.bias_dropout_add(f, output_b, z1, p_hidden, seeds[_SITE_FFN_OUT], training=active, backend=be)
-        out, _ = K.bias_dropout_add_layer_norm(f, self.output_b, y1, self.norm_w, self.norm_b, eps, p_hidden,
-                                               seeds[_SITE_FFN_OUT], training=active, invertible=inv, backend=be)
-        return out
+        return K.bias_dropout_add_layer_norm(f, self.output_b, y1_res, self.norm_w, self.norm_b, eps, p_hidden,
+                                             seeds[_SITE_FFN_OUT], training=active, invertible=inv,
+                                             return_residual=False, backend=be)
 
     # --- Hugging Face interop (implemented in hf.py) -----------------------------------------
 
