@@ -11,8 +11,8 @@ full recomputation. tachyon's layers save less than that, and differently:
   head and query instead;
 - dropout masks are regenerated from Philox seeds in backward, never stored (Megatron's 1-byte
   masks, ``2sbh`` per layer, are gone);
-- the projection GEMM saves its input as a [tokens, hidden] copy of O (a reshape from the
-  attention's head-major layout), so O is held twice;
+- the attention kernel writes O in the memory order of q, so the projection GEMM's [tokens, hidden]
+  input is a view of O: O is held once (under FP8 the GEMM keeps its own FP8 copy);
 - norms keep fp32 statistics (LayerNorm: mean and rstd; RMSNorm: rstd) per token.
 
 `tachyon.nn.TransformerLayer` (gpt/llama), per token, in bytes, e = activation bytes (4 fp32,
@@ -21,26 +21,25 @@ full recomputation. tachyon's layers save less than that, and differently:
     e*hidden        layer input (the first norm's input)
     g*hidden        first norm's output (QKV GEMM input)
     e*(a+2k)*d      Q, K, V (attention input)
-    e*a*d           attention output O (flash attention backward)
-    g*a*d           O again, [tokens, hidden] (projection GEMM input)
+    e*a*d           attention output O (flash attention backward and projection GEMM input)
+    (FP8 only) a*d  O as the projection GEMM's FP8 input
     e*hidden        residual sum (second norm input)
     g*hidden        second norm's output (fc1 input)
     e*fc1           fc1 output (activation input; 2*ffn when gated)
     g*ffn           activation output (fc2 input)
     4*(a + 2*n)     fp32 logsumexp per head, norm statistics (n = 2 LayerNorm, 1 RMSNorm)
 
-With ffn = 4h and MHA that is 17h elements + stats (Megatron's 34 bytes minus the 4 of masks and
-plus the second copy of O). Under FP8 the four GEMM inputs are stored as FP8 bytes and every FP8
+With ffn = 4h and MHA that is 16h elements + stats (Megatron's 34 bytes minus the 4 of masks). Under FP8 the four GEMM inputs are stored as FP8 bytes and every FP8
 GEMM also saves its FP8 weight (1 byte per weight element per micro-batch in flight).
 
 `tachyon.nn.TransformerKernelLayer` (bert): ``e*(cH*hidden + cI*ffn) + 4*(ca*a + c0)`` with the
 coefficients of ``KERNEL_COEFFICIENTS`` for each combination of its memory flags (docs/
-transformer_kernel.md explains each flag; 9h + 2I + a + 4 with none, i.e. 17H at I = 4H).
+transformer_kernel.md explains each flag; 8h + 2I + a + 4 with none, i.e. 16H at I = 4H).
 
 Checkpointing: ``full`` keeps each layer's input (e*hidden per token) and, during the backward,
 one recomputed layer's activations for one micro-batch; ``selective`` recomputes the attention
-core (Megatron's selective recomputation), which for flash attention only drops O's first copy
-and the logsumexp. With tensor parallelism (Megatron-style, with sequence parallelism) every
+core (Megatron's selective recomputation), which for flash attention only drops the logsumexp
+(and, under FP8, the bf16 O the GEMM does not use). With tensor parallelism (Megatron-style, with sequence parallelism) every
 per-token term is split tp ways.
 
 All of it is checked against bytes measured with ``torch.autograd.graph.saved_tensors_hooks`` on
@@ -60,21 +59,21 @@ INDEX = 8  # int64 token ids / targets
 KERNEL_COEFFICIENTS: dict[tuple[bool, bool, bool, bool], tuple[int, int, int, int]] = {
     # (pre_layer_norm, normalize_invertible, gelu_checkpoint, attn_dropout_checkpoint)
     #   -> (cH, cI, ca, c0): e*(cH*h + cI*I) + 4*(ca*heads + c0) bytes per token
-    (True, False, False, False): (9, 2, 1, 4),
+    (True, False, False, False): (8, 2, 1, 4),
     (True, False, False, True): (4, 2, 0, 2),
-    (True, False, True, False): (9, 1, 1, 4),
+    (True, False, True, False): (8, 1, 1, 4),
     (True, False, True, True): (4, 1, 0, 2),
-    (True, True, False, False): (7, 2, 1, 2),
+    (True, True, False, False): (6, 2, 1, 2),
     (True, True, False, True): (3, 2, 0, 1),
-    (True, True, True, False): (7, 1, 1, 2),
+    (True, True, True, False): (6, 1, 1, 2),
     (True, True, True, True): (3, 1, 0, 1),
-    (False, False, False, False): (9, 2, 1, 4),
+    (False, False, False, False): (8, 2, 1, 4),
     (False, False, False, True): (5, 2, 0, 4),
-    (False, False, True, False): (9, 1, 1, 4),
+    (False, False, True, False): (8, 1, 1, 4),
     (False, False, True, True): (5, 1, 0, 4),
-    (False, True, False, False): (7, 2, 1, 2),
+    (False, True, False, False): (6, 2, 1, 2),
     (False, True, False, True): (3, 2, 0, 2),
-    (False, True, True, False): (7, 1, 1, 2),
+    (False, True, True, False): (6, 1, 1, 2),
     (False, True, True, True): (3, 1, 0, 2),
 }
 """Fitted to measured bytes of every flag combination (one layer in a stack, fp32 and bf16) and
@@ -120,7 +119,6 @@ def layer_items(spec: ModelSpec, dtype: str, checkpointing: str = "none") -> dic
         "first norm output (QKV GEMM input)": g * h,
         "Q, K, V": e * spec.qkv_width,
         "attention output (flash attention)": e * a * d,
-        "attention output (projection GEMM input)": g * a * d,
         "residual sum (second norm input)": e * h,
         "second norm output (fc1 input)": g * h,
         "fc1 output (activation input)": e * spec.fc1_width,
@@ -128,8 +126,12 @@ def layer_items(spec: ModelSpec, dtype: str, checkpointing: str = "none") -> dic
         "fp32 logsumexp": FP32 * a,
         "fp32 norm statistics": FP32 * 2 * (2 if spec.norm == "LayerNorm" else 1),
     }
+    if g != e:  # FP8: the projection GEMM saves its own FP8 copy of O
+        items["attention output (projection GEMM input)"] = g * a * d
     if checkpointing == "selective":
-        del items["attention output (flash attention)"], items["fp32 logsumexp"]
+        del items["fp32 logsumexp"]
+        if g != e:  # the bf16 O only the attention backward needed
+            del items["attention output (flash attention)"]
     return items
 
 
