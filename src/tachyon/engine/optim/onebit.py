@@ -68,7 +68,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tachyon.engine.optim._state import advance_adam_state, check_adam_hyperparameters
+from tachyon.engine.optim._state import advance_adam_state, check_adam_hyperparameters, restore_fp32_states
 from tachyon.engine.optim.lamb import _check_segments
 from tachyon.parallel.compression import DEFAULT_BLOCK_SIZE, CompressedAllReduce, reshard_error_feedback
 
@@ -428,7 +428,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
             if mask is not None:
                 saved["exp_avg_mask"] = mask
         super().load_state_dict(state_dict)
-        _keep_fp32(self, state_dict)
+        restore_fp32_states(self, state_dict, FP32_STATES)
         self._flat = None
         self._compressor = None
         self._plans.clear()
@@ -445,18 +445,6 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def _compressed_group(self, group: dict, plan: SegmentPlan, previous: list[Tensor]) -> None:  # pragma: no cover
         raise NotImplementedError
 
-
-def _keep_fp32(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-    """torch's load casts floating states to the parameter's dtype; reload the fp32 ones."""
-    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for saved_id, p in zip(saved_ids, params):
-        saved = state_dict["state"].get(saved_id)
-        if saved is None or p.dtype == torch.float32:
-            continue
-        for key in FP32_STATES:
-            if key in saved:
-                optimizer.state[p][key] = saved[key].to(device=p.device, dtype=torch.float32, copy=True)
 
 
 def reshard_onebit_state_dicts(state_dicts: list[dict], world_size: int) -> list[dict]:
