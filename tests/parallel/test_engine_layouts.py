@@ -116,6 +116,9 @@ def _one_stage(**kw) -> PipelineModule:
      '`data_types.grad_accum_dtype: "fp32"` with a PipelineModule'),
     ({"pipeline": {"activation_checkpoint_interval": 2}},
      "`pipeline.activation_checkpoint_interval: 2` but the PipelineModule was built with 0"),
+    ({"progressive_layer_drop": {"enabled": True}},
+     "`progressive_layer_drop.enabled: true` makes the engine call the model's forward with progressive_layer_drop="
+     "True, pld_theta=<theta>, but PipelineModule.forward takes no progressive_layer_drop"),
 ])
 def test_pipeline_settings_that_do_not_fit_the_module_are_refused(world, sections, message):
     world(2)

@@ -258,3 +258,22 @@ def test_eval_batch_and_placement(ranks):
         assert logits_shape == ((T.GLOBAL_BATCH, T.SEQ, 64) if rank == 1 else None)
         assert result["stage_ids"] == [rank] and result["parts"] == [0, 4, 8]
     assert isinstance(GPTBlock(32, 64, 4), TransformerLayer)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_padded_vocabulary_is_cut_from_the_logits_as_gpt_does(tie):
+    """GPT pads its vocabulary to a multiple of 64 rows and scores only the real ids; the layer
+    list's head does the same, so a pipeline computes GPT's loss for any vocabulary size."""
+    from tachyon.train.models import GPT
+
+    cfg = {**T.CFG, "vocab_size": 70, "tie_embeddings": tie}  # padded to 128 rows
+    torch.manual_seed(0)
+    gpt = GPT(**cfg)
+    net = PipelineModule(gpt_layer_specs(**cfg), loss_fn=gpt_loss)
+    net.load_full_state_dict(gpt_state_dict_to_pipeline(gpt.state_dict(), cfg["num_layers"]))
+    ids = torch.randint(0, 70, (2, 8), generator=torch.Generator().manual_seed(1))
+    logits = net(ids)
+    assert logits.shape == (2, 8, 70)
+    torch.testing.assert_close(logits, gpt.logits(ids), rtol=1e-6, atol=1e-6)
+    labels = torch.roll(ids, -1, dims=1)
+    torch.testing.assert_close(gpt_loss(logits, labels), gpt(ids, labels=labels), rtol=1e-6, atol=1e-6)

@@ -231,3 +231,53 @@ def test_the_tachyon_command_and_tachyon_data_import_without_the_train_extra():
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "tachyon train: error: matplotlib and tokenizers are not installed" in proc.stderr
     assert "pip install 'tachyon[train]'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_tp_and_pp_set_the_engine_sections_and_fit_the_pipeline():
+    config = load_train_config(model="gpt", tp=2, pp=2)
+    engine = config.engine_config("fp32")
+    assert engine["tensor_parallel"] == {"tp_size": 2} and engine["pipeline"] == {"stages": 2}
+    assert (config.tensor_parallel_size, config.pipeline_stages) == (2, 2)
+    # the GPT job's ZeRO-2 becomes 1 under a pipeline, and its micro-batch of 16 becomes 2 x 8
+    assert engine["zero_optimization"]["stage"] == 1
+    assert (engine["train_micro_batch_size_per_gpu"], engine["gradient_accumulation_steps"]) == (8, 2)
+    checked = load_config(engine, world_size=4)
+    assert (checked.tensor_parallel.size, checked.pipeline.num_stages, checked.train_batch_size) == (2, 2, 16)
+    # tp alone changes nothing else; pp 1 neither
+    alone = load_train_config(model="gpt", tp=2, pp=1).engine_config("fp32")
+    assert alone["zero_optimization"]["stage"] == 2 and alone["gradient_accumulation_steps"] == 1
+    assert alone["pipeline"] == {"stages": 1}
+    # a config's own pipeline keys are kept; enough micro-batches already: untouched
+    raw = {"model": "gpt", "engine": {**DEFAULT_ENGINE, "gradient_accumulation_steps": 4,
+                                      "pipeline": {"schedule": "GPipe"}}}
+    kept = load_train_config(raw, pp=2).engine_config("fp32")
+    assert kept["pipeline"] == {"schedule": "GPipe", "stages": 2} and kept["gradient_accumulation_steps"] == 4
+    assert kept["train_micro_batch_size_per_gpu"] == DEFAULT_ENGINE["train_micro_batch_size_per_gpu"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"model": "bert", "tp": 2}, "apply to model 'gpt' only"),
+    ({"model": "bert", "pp": 2}, "apply to model 'gpt' only"),
+    ({"model": "gpt", "tp": 0}, "--tp must be an int >= 1"),
+    ({"model": "gpt", "pp": 2, "pld": True}, "progressive layer drop with pipeline parallelism"),
+])
+def test_bad_layouts_are_refused_before_any_work(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(**kwargs)
+
+
+def test_tp_and_pp_choose_the_process_count_and_travel_to_the_ranks(monkeypatch, capsys):
+    import torch
+
+    from tachyon.train.cli import _process_count
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _process_count(_args(), 2, model_parallel=4) == 4
+    assert _process_count(_args(), 6, model_parallel=4) == 8
+    assert _process_count(_args("--nproc", "3"), 2, model_parallel=4) == 3  # checked (and refused) by the engine
+    cmd = launch_command(_args("--model", "gpt", "--tp", "2", "--pp", "2"), 4, Path("o"))
+    assert cmd[8:] == ["--model", "gpt", "--output-dir", "o", "--tp", "2", "--pp", "2"]
+    # 3 processes cannot hold tp 2 x pp 2: refused before launching, naming the sizes
+    assert run(_args("--model", "gpt", "--tp", "2", "--pp", "2", "--nproc", "3")) == 2
+    err = capsys.readouterr().err
+    assert "3" in err and ("tp_size" in err or "stages" in err), err

@@ -6,12 +6,15 @@
     tachyon train CONFIG --resume               continue from the latest checkpoint of the run
     tachyon train CONFIG --steps 600 --nproc 1 --output-dir runs/mine --quiet
     tachyon train --pld                         progressive layer drop on (--no-pld: off, whatever CONFIG says)
+    tachyon train --model gpt --tp 2 --pp 2     the GPT split 2 ways within layers and 2 ways by layers
 
 Launching: outside a torchrun environment with more than one process, the command re-executes
 itself as ``python -m torch.distributed.run --standalone --nproc-per-node N -m tachyon.train ...``
 (after resolving the output directory, so every rank writes to the same one); inside torchrun
 (RANK and WORLD_SIZE set) or with one process it runs the loop (:func:`tachyon.train.run.train`).
-N: ``--nproc``, else the number of GPUs on a CUDA machine, else the config's ``nproc``.
+N: ``--nproc``, else the number of GPUs on a CUDA machine, else the config's ``nproc``; without
+``--nproc``, a CPU job with tensor or pipeline parallelism runs at least tp x pp processes (the
+config's ``nproc`` rounded up to a multiple of tp x pp), so ``--tp 2 --pp 2`` works as it is.
 Output directory: ``--output-dir``, else the config's ``output_dir``, else
 ``runs/<model>-<YYYYmmdd-HHMMSS>``; with ``--resume`` and neither given, the newest
 ``runs/<model>-*`` that holds checkpoints.
@@ -69,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="progressive layer drop on (--no-pld: off): sets the engine section's "
                              "progressive_layer_drop.enabled, keeping its theta and gamma (DeepSpeed's 0.5 and "
                              "0.001 when absent) (default: as the config says; off in the built-in jobs)")
+    parser.add_argument("--tp", type=int, default=None, metavar="N",
+                        help="tensor-parallel size (model gpt): sets the engine section's tensor_parallel.tp_size "
+                             "(default: as the config says; 1 in the built-in jobs)")
+    parser.add_argument("--pp", type=int, default=None, metavar="M",
+                        help="pipeline stages (model gpt): sets the engine section's pipeline.stages; above 1, "
+                             "ZeRO stage 2 becomes 1 and the micro-batches per step are at least M (default: as "
+                             "the config says; 1 in the built-in jobs)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in the output dir (default: off, a new run)")
     parser.add_argument("--no-progress", action="store_true",
@@ -92,7 +102,9 @@ def _in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _process_count(args: argparse.Namespace, config_nproc: int) -> int:
+def _process_count(args: argparse.Namespace, config_nproc: int, model_parallel: int = 1) -> int:
+    """--nproc, else the GPUs, else the config's nproc rounded up to a multiple of
+    ``model_parallel`` (tp x pp)."""
     if args.nproc is not None:
         if args.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1; got {args.nproc}")
@@ -101,7 +113,7 @@ def _process_count(args: argparse.Namespace, config_nproc: int) -> int:
 
     if torch.cuda.is_available():
         return torch.cuda.device_count()
-    return config_nproc
+    return -(-config_nproc // model_parallel) * model_parallel
 
 
 def resolve_output_dir(given: str | None, model: str, resume: bool, root: Path = Path("runs")) -> Path:
@@ -129,6 +141,9 @@ def launch_command(args: argparse.Namespace, nproc: int, output_dir: Path) -> li
         cmd += ["--steps", str(args.steps)]
     if getattr(args, "pld", None) is not None:
         cmd.append("--pld" if args.pld else "--no-pld")
+    for flag in ("tp", "pp"):
+        if getattr(args, flag, None) is not None:
+            cmd += [f"--{flag}", str(getattr(args, flag))]
     for flag in ("resume", "no_progress", "quiet"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
@@ -152,8 +167,10 @@ def run(args: argparse.Namespace) -> int:
 
     source = args.config if args.config is not None else default_config_path(args.model or "bert")
     try:
-        config = load_train_config(source, model=args.model, pld=getattr(args, "pld", None), steps=args.steps)
-        nproc = None if _in_torchrun() else _process_count(args, config.nproc)
+        config = load_train_config(source, model=args.model, pld=getattr(args, "pld", None),
+                                   tp=getattr(args, "tp", None), pp=getattr(args, "pp", None), steps=args.steps)
+        model_parallel = config.tensor_parallel_size * config.pipeline_stages
+        nproc = None if _in_torchrun() else _process_count(args, config.nproc, model_parallel)
         if nproc is not None:  # check the engine section here, not in N processes after the launch
             import tachyon
             from tachyon.config import load_config

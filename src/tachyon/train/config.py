@@ -14,6 +14,18 @@
       "engine": {"train_micro_batch_size_per_gpu": 64, "zero_optimization": {"stage": 2}, ...}
     }
 
+Tensor and pipeline parallelism (model "gpt" only) are the engine's own sections too:
+``"engine": {..., "tensor_parallel": {"tp_size": 2}, "pipeline": {"stages": 2, "schedule":
+"1F1B"}}``; the command's ``--tp N`` / ``--pp M`` (``load_train_config(tp=, pp=)``) set
+``tensor_parallel.tp_size`` and ``pipeline.stages``. ``--pp`` above 1 also turns a ZeRO stage 2
+of the engine section into stage 1 (a pipeline accumulates the gradients of its micro-batches
+inside the schedule, which stage 2's partitioned gradients cannot follow; the engine refuses
+stage 2 with a pipeline given in the config itself), and, when the section sets no
+``train_batch_size``, raises ``gradient_accumulation_steps`` (the pipeline's micro-batches) to
+the stage count if it is lower (1F1B needs a micro-batch per stage), dividing the micro-batch
+by as much when it divides, so each data-parallel rank still takes as many samples per step.
+The data-parallel size is then ``processes / (tp * pp)``.
+
 Progressive layer drop is the engine's own section, as in DeepSpeed: ``"engine":
 {..., "progressive_layer_drop": {"enabled": true, "theta": 0.5, "gamma": 0.001}}``; the
 command's ``--pld`` / ``--no-pld`` (``load_train_config(pld=...)``) set its ``enabled`` and keep
@@ -104,7 +116,8 @@ class TrainConfig(Section):
     eval_interval: NonNegativeInt = 50
     """Score the validation split every K steps (and always at the last step); 0: only at the end."""
     eval_batches: PositiveInt | None = None
-    """Validation micro-batches per rank that one evaluation scores; null: the whole split."""
+    """Validation micro-batches per data-parallel rank that one evaluation scores (with a
+    pipeline: batches of one step's micro-batches); null: the whole split."""
     examples: NonNegativeInt = 5
     """Fill-mask predictions (BERT) or generated passages (GPT) in summary.txt; 0: none."""
     output_dir: str | None = None
@@ -133,7 +146,34 @@ class TrainConfig(Section):
                              f"got {self.tokenizer!r}, which is neither")
         if self.position != "learned" and self.model != "gpt":
             raise ValueError("position 'rope' applies to model 'gpt' only (BERT uses learned positions)")
+        if self.model != "gpt" and (self.tensor_parallel_size > 1 or self.pipeline_stages > 1):
+            raise ValueError(
+                f"tensor parallelism (tp {self.tensor_parallel_size}) and pipeline parallelism (pp "
+                f"{self.pipeline_stages}) apply to model 'gpt' only: the BERT job's fused kernel layer has no "
+                "tensor-parallel form and no pipeline layer list; use --model gpt")
+        pld = self.engine.get("progressive_layer_drop")
+        if self.pipeline_stages > 1 and isinstance(pld, dict) and pld.get("enabled") is True:
+            raise ValueError(f"progressive layer drop with pipeline parallelism (pp {self.pipeline_stages}) is not "
+                             "supported: a pipeline stage passes only the hidden states from layer to layer, not the "
+                             "keep ratio; use --no-pld or pp 1")
         return self
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """``engine.tensor_parallel.tp_size`` (or ``autotp_size``), 1 when absent."""
+        section = self.engine.get("tensor_parallel")
+        if not isinstance(section, dict):
+            return 1
+        size = section.get("tp_size") or section.get("autotp_size") or 1
+        return size if isinstance(size, int) else 1  # a bad value is the engine config check's to name
+
+    @property
+    def pipeline_stages(self) -> int:
+        """``engine.pipeline.stages``, 1 when absent or "auto" (the job's PipelineModule is built
+        with this many stages)."""
+        section = self.engine.get("pipeline")
+        stages = section.get("stages", 1) if isinstance(section, dict) else 1
+        return stages if isinstance(stages, int) and not isinstance(stages, bool) else 1
 
     @property
     def objective(self) -> str:
@@ -180,11 +220,13 @@ def resolve_precision(precision: str, bf16_available: bool) -> str:
 
 
 def load_train_config(source: str | Path | dict[str, Any] | None = None, *, model: str | None = None,
-                      pld: bool | None = None, **overrides: Any) -> TrainConfig:
+                      pld: bool | None = None, tp: int | None = None, pp: int | None = None,
+                      **overrides: Any) -> TrainConfig:
     """A TrainConfig from a JSON path, a dict or None (the built-in job of ``model``, default
     "bert"), with ``model`` and ``overrides`` applied on top (keys of TrainConfig; None values are
-    skipped). ``pld`` (None: as the config says) sets ``engine.progressive_layer_drop.enabled``.
-    Raises ConfigError naming the key."""
+    skipped). ``pld`` (None: as the config says) sets ``engine.progressive_layer_drop.enabled``;
+    ``tp`` / ``pp`` (None: as the config says) set ``engine.tensor_parallel.tp_size`` and
+    ``engine.pipeline.stages`` (module docstring). Raises ConfigError naming the key."""
     if model is not None and model not in BUILT_IN_JOBS:
         raise ConfigError(f"model must be one of {', '.join(BUILT_IN_JOBS)}; got {model!r}")
     if source is None:
@@ -204,6 +246,8 @@ def load_train_config(source: str | Path | dict[str, Any] | None = None, *, mode
     raw.update({k: v for k, v in {"model": model, **overrides}.items() if v is not None})
     if pld is not None:
         _set_pld(raw, pld)
+    if tp is not None or pp is not None:
+        _set_layout(raw, tp, pp)
     known = TrainConfig.model_fields
     problems = [unknown_key(str(key), "", known) for key in raw if key not in known]
     if problems:
@@ -227,3 +271,37 @@ def _set_pld(raw: dict[str, Any], enabled: bool) -> None:
         raise ConfigError("`engine.progressive_layer_drop` must be a JSON object like {\"enabled\": true, "
                           f"\"theta\": 0.5, \"gamma\": 0.001}}; got {type(section).__name__}")
     raw["engine"] = {**engine, "progressive_layer_drop": {**section, "enabled": enabled}}
+
+
+def _engine_section(raw: dict[str, Any]) -> dict[str, Any]:
+    engine = raw.get("engine", copy.deepcopy(DEFAULT_ENGINE))
+    if not isinstance(engine, dict):
+        raise ConfigError(f"`engine` must be a JSON object (the DeepSpeed-style config); got {type(engine).__name__}")
+    return copy.deepcopy(engine)
+
+
+def _set_layout(raw: dict[str, Any], tp: int | None, pp: int | None) -> None:
+    """``--tp`` / ``--pp``: ``engine.tensor_parallel.tp_size`` and ``engine.pipeline.stages``,
+    with pp > 1's adjustments of the ZeRO stage and the micro-batch count (module docstring)."""
+    for name, value in (("tp", tp), ("pp", pp)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"--{name} must be an int >= 1; got {value!r}")
+    engine = _engine_section(raw)
+    for key, value, field in (("tensor_parallel", tp, "tp_size"), ("pipeline", pp, "stages")):
+        if value is None:
+            continue
+        section = engine.get(key, {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"`engine.{key}` must be a JSON object; got {type(section).__name__}")
+        section = {k: v for k, v in section.items() if not (key == "tensor_parallel" and k == "autotp_size")}
+        engine[key] = {**section, field: value}
+    if pp is not None and pp > 1:
+        zero = engine.get("zero_optimization")
+        if isinstance(zero, dict) and zero.get("stage") == 2:
+            engine["zero_optimization"] = {**zero, "stage": 1}
+        gas, micro = engine.get("gradient_accumulation_steps", 1), engine.get("train_micro_batch_size_per_gpu")
+        if isinstance(gas, int) and not isinstance(gas, bool) and gas < pp and "train_batch_size" not in engine:
+            if isinstance(micro, int) and not isinstance(micro, bool) and (micro * gas) % pp == 0:
+                engine["train_micro_batch_size_per_gpu"] = micro * gas // pp  # the same samples per rank and step
+            engine["gradient_accumulation_steps"] = pp
+    raw["engine"] = engine

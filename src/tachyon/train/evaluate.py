@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from tachyon.data import IGNORE_INDEX, NUM_SPECIAL_TOKENS, collate
 
-__all__ = ["Evaluation", "evaluate", "evaluation_indices", "fill_mask_examples", "generate_lines",
+__all__ = ["Evaluation", "evaluate", "evaluate_pipeline", "evaluation_indices", "fill_mask_examples", "generate_lines",
            "unigram_baseline", "unigram_log_probs"]
 
 
@@ -88,9 +89,12 @@ def _logits_and_targets(model: torch.nn.Module, batch: dict[str, torch.Tensor]) 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset, indices: list[int], micro_batch: int, device: torch.device,
-             rank: int = 0, world: int = 1) -> Evaluation:
+             rank: int = 0, world: int = 1, group: Any = None) -> Evaluation:
     """Loss and top-1 accuracy of ``model`` on the targets of ``dataset``'s samples ``indices``;
-    rank ``r`` scores ``indices[r::world]`` and the sums are all-reduced (collective when world > 1)."""
+    rank ``r`` of ``world`` scores ``indices[r::world]`` and the sums are all-reduced over
+    ``group`` (default: every process; collective when world > 1). With tensor parallelism,
+    ``rank`` / ``world`` / ``group`` are the data-parallel ones: the ranks of one model copy
+    score the same samples together (the model's forward is collective over them)."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)
@@ -107,12 +111,59 @@ def evaluate(model: torch.nn.Module, dataset, indices: list[int], micro_batch: i
     model.train(was_training)
     if world > 1 and dist.is_available() and dist.is_initialized():
         totals = totals.to(device)
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=group)
         totals = totals.cpu()
+    return _evaluation(totals)
+
+
+def _evaluation(totals: torch.Tensor) -> Evaluation:
     loss, correct, count = totals.tolist()
     if count == 0:
         raise ValueError("the evaluated validation samples hold no target to score")
     return Evaluation(loss=loss / count, accuracy=correct / count, tokens=int(count))
+
+
+@torch.no_grad()
+def evaluate_pipeline(engine: Any, dataset, indices: list[int], micro_batch: int) -> Evaluation:
+    """:func:`evaluate` for a pipeline-parallel engine (a PipelineModule whose last stage returns
+    the logits): collective over every rank of the job.
+
+    Data-parallel rank ``r`` of ``dp`` scores ``indices[r::dp]`` with ``engine.eval_batch``
+    (``gradient_accumulation_steps`` micro-batches per call, the stages in eval mode). A pipeline
+    needs every micro-batch of the same size and every rank to make the same number of calls,
+    so the shares are padded with copies of a sample, whose rows are left out of the sums. The
+    rank holding the last stage (tensor-parallel rank 0 of it) sums the loss, the correct top-1
+    predictions and the targets from the logits; the sums are all-reduced over every rank."""
+    dp, rank, gas = engine.data_parallel_world_size, engine.data_parallel_rank, engine.gradient_accumulation_steps()
+    device = engine.device
+    mine = indices[rank::dp]
+    longest = -(-len(indices) // dp)
+    calls = -(-longest // (micro_batch * gas))
+    padded = mine + [indices[0]] * (calls * micro_batch * gas - len(mine))
+    real = torch.arange(len(padded)) < len(mine)
+    mesh = engine.mesh
+    counts = engine.is_last_stage() and (mesh is None or mesh.size("tp") == 1 or mesh.rank("tp") == 0)
+    totals = torch.zeros(3, dtype=torch.float64)
+    per_call = micro_batch * gas
+    for call in range(calls):
+        chunk = padded[call * per_call:(call + 1) * per_call]
+        batch = collate([dataset[i] for i in chunk])
+        ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        items = list(zip(ids.split(micro_batch), labels.split(micro_batch)))
+        _, logits = engine.eval_batch(iter(items), return_logits=True)
+        if not counts:
+            continue
+        keep = real[call * per_call:(call + 1) * per_call].to(device)
+        scored = (labels != IGNORE_INDEX) & keep[:, None]
+        logits, targets = logits.float()[scored], labels[scored]
+        totals[0] += F.cross_entropy(logits, targets, reduction="sum").double().cpu()
+        totals[1] += (logits.argmax(-1) == targets).sum().double().cpu()
+        totals[2] += targets.numel()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        totals = totals.to(device)
+        dist.all_reduce(totals)
+        totals = totals.cpu()
+    return _evaluation(totals)
 
 
 _WORD = re.compile(r"[A-Za-z]{3,}")

@@ -49,7 +49,7 @@ from tachyon.config import load_config
 from tachyon.data import build_lm_datasets, collate, load_works
 from tachyon.train.config import TrainConfig
 from tachyon.train.evaluate import (
-    Evaluation, evaluate, evaluation_indices, fill_mask_examples, generate_lines, unigram_baseline, unigram_log_probs,
+    Evaluation, evaluate, evaluate_pipeline, evaluation_indices, fill_mask_examples, generate_lines, unigram_baseline, unigram_log_probs,
 )
 from tachyon.train.helpers import (
     Checkpointer, epoch_loader, mean_over_ranks, memory_per_rank, or_nan, rank_and_world, rank_seed,
@@ -61,7 +61,7 @@ from tachyon.train.report import (
     METRIC_COLUMNS, VALIDATION_COLUMNS, final_table, read_metrics, summary_text, write_rows,
 )
 
-__all__ = ["OUTPUT_MODES", "TrainResult", "build_model", "read_metrics", "train"]
+__all__ = ["OUTPUT_MODES", "TrainResult", "build_model", "pipeline_model", "read_metrics", "train", "whole_model"]
 
 OUTPUT_MODES = ("bar", "lines", "quiet")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -175,6 +175,7 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
     checked = load_config(engine_config, world)
     micro_batch = checked.train_micro_batch_size_per_gpu
     pld = checked.progressive_layer_drop if checked.progressive_layer_drop.enabled else None  # theta, gamma
+    tp, pp = checked.tensor_parallel.size, checked.pipeline.num_stages or 1
 
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     train_set, val_set = build_lm_datasets(config.objective, config.seq_len, seed=config.seed,
@@ -184,16 +185,26 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
     model = build_model(config, tokenizer.vocab_size, _DTYPES[precision], micro_batch,
                         dropout_seed=rank_seed(config.seed, rank), output_bias=prior)
     n_params = count_parameters(model)
+    if pp > 1:  # the same GPT, cut into stages (its weights loaded, so every layout starts alike)
+        model = pipeline_model(config, checked.pipeline, model, tokenizer.vocab_size, _DTYPES[precision], tp)
     engine, _, dataloader, _ = tachyon.initialize(
         model=model, model_parameters=model.parameters(), training_data=train_set, collate_fn=collate,
         config=engine_config,
     )
     rank, world = rank_and_world()
-    torch.manual_seed(rank_seed(config.seed, rank))  # per-rank dropout seeds of the TE-style layers
+    dp, dp_rank = engine.data_parallel_world_size, engine.data_parallel_rank
+    # per data-parallel copy: the TE-style layers' dropout and the layer-drop draws. The ranks of
+    # one copy (tensor / pipeline parallel) draw alike, or they would drop different layers
+    # (tensor-parallel regions get their own dropout seeds from tachyon.parallel.tensor.rng)
+    torch.manual_seed(rank_seed(config.seed, dp_rank))
     device = engine.device
     sampler = dataloader.sampler  # a DistributedSampler over the data-parallel ranks
-    indices = evaluation_indices(len(val_set), config.eval_batches, micro_batch, world)
+    # a pipeline evaluates a step's micro-batches per call: eval_batches counts those (--pp divides
+    # the job's micro-batch into the pipeline's, so the evaluated samples stay the same)
+    eval_batch = micro_batch * engine.gradient_accumulation_steps() if pp > 1 else micro_batch
+    indices = evaluation_indices(len(val_set), config.eval_batches, eval_batch, dp)
     baseline = unigram_baseline(prior, val_set, indices)
+    layout = "" if engine.mesh is None else f" (data parallel {dp} x pipeline {pp} x tensor parallel {tp})"
 
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -212,7 +223,7 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
     console = _Console(output, rank, config.steps, engine.global_steps)
     for note in notes:
         console.write(f"tachyon train: {note}")
-    console.write(f"tachyon train: {config.model}, {n_params / 1e6:.2f} M parameters, {world} process(es) on "
+    console.write(f"tachyon train: {config.model}, {n_params / 1e6:.2f} M parameters, {world} process(es){layout} on "
                   f"{device.type}, {precision}, ZeRO stage {engine.zero_optimization_stage()}, global batch "
                   f"{engine.train_batch_size()} x {config.seq_len} tokens, {tokenizer.name} tokenizer "
                   f"({tokenizer.vocab_size} ids), steps {first_step}-{config.steps}, output {output_dir}")
@@ -233,7 +244,11 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
 
     def run_evaluation(step: int) -> None:
         nonlocal latest
-        latest = evaluate(engine.module, val_set, indices, micro_batch, device, rank, world)
+        if pp > 1:
+            latest = evaluate_pipeline(engine, val_set, indices, micro_batch)
+        else:
+            latest = evaluate(engine.module, val_set, indices, micro_batch, device, dp_rank, dp,
+                              group=None if engine.mesh is None else engine.data_parallel_group)
         evaluations.append({"step": step, "loss": latest.loss, "accuracy": latest.accuracy,
                             "baseline_loss": baseline.loss, "baseline_accuracy": baseline.accuracy})
         console.write(f"validation at step {step}: {latest.loss:.3f} nats/token (perplexity {latest.perplexity:.1f}), "
@@ -245,18 +260,26 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
     telemetry.restart_window()  # step 1's time starts at its first forward
     cpu = _CpuClock()
     theta = None
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # a pipeline step's micro-batches so far
     while engine.global_steps < config.steps:
         for batch in epoch_loader(train_set, sampler, epoch, batches_in_epoch, micro_batch):
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            if engine.micro_steps % engine.gradient_accumulation_steps() == 0:
-                theta = engine.get_pld_theta()  # what this step's forwards get (the engine passes it)
-            loss = engine(**batch)
-            engine.backward(loss)
-            boundary = engine.is_gradient_accumulation_boundary()
-            engine.step()
             batches_in_epoch += 1
-            if not boundary:
-                continue
+            if pp > 1:  # the schedule runs the step's micro-batches itself: one call per step
+                pending.append((batch["input_ids"], batch["labels"]))
+                if len(pending) < engine.gradient_accumulation_steps():
+                    continue
+                engine.train_batch(iter(pending))
+                pending = []
+            else:
+                if engine.micro_steps % engine.gradient_accumulation_steps() == 0:
+                    theta = engine.get_pld_theta()  # what this step's forwards get (the engine passes it)
+                loss = engine(**batch)
+                engine.backward(loss)
+                boundary = engine.is_gradient_accumulation_boundary()
+                engine.step()
+                if not boundary:
+                    continue
             stats = telemetry.last_step
             step = stats.step
             # one all-reduce: the loss (metrics.csv wants every step's, the engine averages it on print
@@ -291,11 +314,56 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
         run_evaluation(last_step)
     memory = memory_per_rank(engine, device)
     result = TrainResult(first_step, last_step, rows if rank == 0 else [], latest, baseline, checkpointer.saved)
+    whole = engine.module if engine.mesh is None else whole_model(engine, config, tokenizer.vocab_size, precision, pp)
     if rank == 0:
         _finish(config, engine, tokenizer, val_set, result, rows, evaluations, memory, precision, world, n_params,
-                time.perf_counter() - started, output_dir, output, columns, pld)
+                time.perf_counter() - started, output_dir, output, columns, pld, whole, layout)
     engine.destroy()  # closes the monitor files and the engine's data-parallel group
     return result
+
+
+def pipeline_model(config: TrainConfig, section: Any, gpt: torch.nn.Module, vocab_size: int, dtype: torch.dtype,
+                   tp: int) -> torch.nn.Module:
+    """``gpt`` (a tachyon.train.models.GPT) as a PipelineModule of ``section.num_stages`` stages
+    (the engine config's pipeline section: partition, seed_layers, activation_checkpoint_interval),
+    over a (pp, tp) mesh when ``tp`` > 1, holding ``gpt``'s weights. Starts torch.distributed
+    (the stages need their process group before `tachyon.initialize`)."""
+    from tachyon.parallel import Mesh
+    from tachyon.parallel.distributed import init_distributed
+    from tachyon.parallel.pipeline import PipelineModule
+    from tachyon.parallel.pipeline.gpt import gpt_layer_specs, gpt_loss, gpt_state_dict_to_pipeline
+
+    init_distributed()
+    specs = gpt_layer_specs(vocab_size, hidden_size=config.hidden_size, num_layers=config.num_layers,
+                            num_heads=config.num_heads, intermediate_size=config.intermediate_size,
+                            max_seq_len=config.seq_len, hidden_dropout=config.hidden_dropout,
+                            attention_dropout=config.attention_dropout, position=config.position,
+                            tie_embeddings=config.tie_embeddings, dtype=dtype)
+    net = PipelineModule(specs, num_stages=section.num_stages, topology=Mesh(pp=section.num_stages, tp=tp) if tp > 1 else None,
+                         loss_fn=gpt_loss, partition_method=section.partition, seed_layers=section.seed_layers,
+                         activation_checkpoint_interval=section.activation_checkpoint_interval)
+    net.load_full_state_dict(gpt_state_dict_to_pipeline(gpt.state_dict(), config.num_layers))
+    return net
+
+
+def whole_model(engine: Any, config: TrainConfig, vocab_size: int, precision: str, pp: int) -> torch.nn.Module | None:
+    """The trained model gathered whole on rank 0 (a GPT with every tensor-parallel shard and
+    pipeline stage), for the generated lines of summary.txt; None on the other ranks. Collective."""
+    from tachyon.engine.checkpoint.export import consolidated_state_dict
+    from tachyon.parallel.pipeline.gpt import pipeline_state_dict_to_gpt
+
+    state = consolidated_state_dict(engine)
+    if state is None:
+        return None
+    if pp > 1:
+        state = pipeline_state_dict_to_gpt(state, config.num_layers, learned=config.position == "learned")
+    model = build_model(config, vocab_size, _DTYPES[precision], engine.train_micro_batch_size_per_gpu())
+    # the gathered state holds tensors only: the layers' _extra_state (FP8 metadata, unused here) stays as built
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    wrong = [k for k in missing if not k.endswith("._extra_state")] + list(unexpected)
+    if wrong:
+        raise RuntimeError(f"the gathered model's weights do not fit the GPT: {', '.join(wrong[:5])}")
+    return model.to(engine.device)
 
 
 def _samples(config: TrainConfig, model: Any, tokenizer: Any, val_set: Any, device: torch.device) -> list[str]:
@@ -333,9 +401,12 @@ def _speaker_prompts(count: int) -> list[str]:
 def _finish(config: TrainConfig, engine: Any, tokenizer: Any, val_set: Any, result: TrainResult,
             rows: list[dict[str, float]], evaluations: list[dict[str, float]], memory: list[dict[str, float]],
             precision: str, world: int, n_params: int, wall_s: float, output_dir: Path, output: str,
-            columns: tuple[str, ...] = METRIC_COLUMNS, pld: Any = None) -> None:
+            columns: tuple[str, ...] = METRIC_COLUMNS, pld: Any = None, model: Any = None, layout: str = "") -> None:
     """Rank 0's end of the run: the CSVs, loss.png, summary.txt, and the table and summary printed.
-    ``columns``: metrics.csv's; ``pld``: the engine config's progressive_layer_drop section when it is on."""
+    ``columns``: metrics.csv's; ``pld``: the engine config's progressive_layer_drop section when it is on;
+    ``model``: the whole trained model for the samples (default: ``engine.module``); ``layout``: the
+    parallel layout's words for the job line."""
+    model = engine.module if model is None else model
     metrics = write_rows(output_dir / "metrics.csv", rows, result.first_step, columns)
     validation = write_rows(output_dir / "validation.csv", evaluations, result.first_step, VALIDATION_COLUMNS)
     if metrics:
@@ -349,10 +420,10 @@ def _finish(config: TrainConfig, engine: Any, tokenizer: Any, val_set: Any, resu
         f"tachyon train: {config.model} ({config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_heads} heads, {n_params / 1e6:.2f} M parameters), {tokenizer.name} tokenizer "
         f"({tokenizer.vocab_size} ids), seq_len {config.seq_len}",
-        f"job: {world} process(es) on {engine.device.type}, {precision}, ZeRO stage "
+        f"job: {world} process(es){layout} on {engine.device.type}, {precision}, ZeRO stage "
         f"{engine.zero_optimization_stage()}, global batch {engine.train_batch_size()} "
         f"(micro-batch {engine.train_micro_batch_size_per_gpu()} x {engine.gradient_accumulation_steps()} "
-        f"accumulation x {world} ranks)",
+        f"accumulation x {engine.data_parallel_world_size} data-parallel ranks)",
         f"steps: {result.last_step} of {config.steps} (this run: "
         + (f"{result.first_step}-{result.last_step}" if result.last_step >= result.first_step else "no new steps")
         + f"), wall time {wall_s:.1f} s",
@@ -378,7 +449,7 @@ def _finish(config: TrainConfig, engine: Any, tokenizer: Any, val_set: Any, resu
     files = [f"checkpoints: {output_dir / 'checkpoints'} (this run saved {saved})",
              f"files: {output_dir / 'metrics.csv'}, {output_dir / 'validation.csv'}, {output_dir / 'loss.png'}, "
              f"{output_dir / 'summary.txt'}"]
-    summary = summary_text({"lines": job}, checked, _samples(config, engine.module, tokenizer, val_set, engine.device),
+    summary = summary_text({"lines": job}, checked, _samples(config, model, tokenizer, val_set, engine.device),
                            memory, files)
     (output_dir / "summary.txt").write_text(summary)
     if output == "quiet":

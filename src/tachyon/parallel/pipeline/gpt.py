@@ -10,7 +10,7 @@ Same computation as GPT.forward, one layer per step so the pipeline can cut betw
     1            learned positions, x + P[:s] (position="learned" only)
     next L       GPTBlock: tachyon.nn.TransformerLayer (bshd, causal), RoPE tables made inside
     next         final norm
-    last         LM head: the tied embedding's weight (forward_fn) or a Linear   -> logits [b, s, V]
+    last         LM head: the tied embedding's weight (forward_fn) or a Linear   -> logits [b, s, vocab_size]
 
 and ``gpt_loss(logits, labels)`` is GPT's loss (fp32 cross-entropy, -100 ignored). Parameter
 names follow PipelineModule's (layer index, ``tied_modules.embed``);
@@ -79,9 +79,25 @@ class GPTBlock(tnn.TransformerLayer):
         return super().forward(hidden_states, **kwargs)
 
 
-def tied_lm_head(embedding: nn.Embedding, x: Tensor) -> Tensor:
-    """logits = x @ embedding.weight.T (the LM head tied to the token embedding)."""
-    return F.linear(x, embedding.weight)
+def tied_lm_head(embedding: nn.Embedding, x: Tensor, vocab_size: int | None = None) -> Tensor:
+    """logits = x @ embedding.weight.T (the LM head tied to the token embedding), the first
+    ``vocab_size`` columns (None: all; GPT pads its vocabulary to a multiple of 64, and the
+    padded rows are never answers, so they stay out of the softmax as in GPT.logits)."""
+    logits = F.linear(x, embedding.weight)
+    return logits if vocab_size is None or vocab_size == logits.shape[-1] else logits[..., :vocab_size]
+
+
+class LMHead(nn.Linear):
+    """The untied LM head: a bias-free Linear to the padded vocabulary whose output keeps the
+    first ``vocab_size`` columns (see :func:`tied_lm_head`)."""
+
+    def __init__(self, hidden_size: int, padded_vocab: int, vocab_size: int, dtype=None) -> None:
+        super().__init__(hidden_size, padded_vocab, bias=False, dtype=dtype)
+        self.vocab_size = vocab_size
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = super().forward(x)
+        return logits if self.vocab_size == logits.shape[-1] else logits[..., :self.vocab_size]
 
 
 def gpt_loss(logits: Tensor, labels: Tensor) -> Tensor:
@@ -97,7 +113,8 @@ def gpt_layer_specs(vocab_size: int, hidden_size: int = 128, num_layers: int = 4
                     intermediate_size: int | None = None, max_seq_len: int = 128, hidden_dropout: float = 0.0,
                     attention_dropout: float = 0.0, position: str = "learned", normalization: str = "LayerNorm",
                     activation: str = "gelu", tie_embeddings: bool = True, dtype: torch.dtype = torch.float32) -> list:
-    """GPT's layers as specs (arguments as tachyon.train.models.GPT; vocab padded to a multiple of 64)."""
+    """GPT's layers as specs (arguments as tachyon.train.models.GPT; the embedding padded to a
+    multiple of 64 rows, the logits cut back to ``vocab_size`` columns as GPT.logits does)."""
     if position not in ("learned", "rope"):
         raise ValueError(f"gpt_layer_specs: position must be 'learned' or 'rope'; got {position!r}")
     padded = _padded(vocab_size)
@@ -121,9 +138,10 @@ def gpt_layer_specs(vocab_size: int, hidden_size: int = 128, num_layers: int = 4
     norm = tnn.LayerNorm if normalization == "LayerNorm" else tnn.RMSNorm
     layers.append(LayerSpec(norm, hidden_size, dtype=dtype))
     if tie_embeddings:
-        layers.append(TiedLayerSpec("embed", TokenEmbedding, padded, hidden_size, dtype=dtype, forward_fn=tied_lm_head))
+        layers.append(TiedLayerSpec("embed", TokenEmbedding, padded, hidden_size, dtype=dtype,
+                                    forward_fn=functools.partial(tied_lm_head, vocab_size=vocab_size)))
     else:
-        layers.append(LayerSpec(nn.Linear, hidden_size, padded, bias=False, dtype=dtype))
+        layers.append(LayerSpec(LMHead, hidden_size, padded, vocab_size, dtype=dtype))
     return layers
 
 
@@ -175,5 +193,5 @@ def pipeline_state_dict_to_gpt(state: dict[str, Tensor], num_layers: int, learne
     return out
 
 
-__all__ = ["GPTBlock", "LearnedPositions", "TokenEmbedding", "gpt_layer_specs", "gpt_loss", "gpt_state_dict_to_pipeline",
+__all__ = ["GPTBlock", "LMHead", "LearnedPositions", "TokenEmbedding", "gpt_layer_specs", "gpt_loss", "gpt_state_dict_to_pipeline",
            "pipeline_state_dict_to_gpt", "tied_lm_head"]
