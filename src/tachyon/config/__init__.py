@@ -14,6 +14,7 @@ from .batch import resolve_batch_sizes
 from .config import TachyonConfig, load_config, parse_config
 from .errors import ConfigError
 from .keys import ACCEPTED_IGNORED_KEYS, OFF_VALUES, UNSUPPORTED_KEYS
+from .quantize_training import MoQConfig
 from .optim import (
     OPTIMIZER_PARAMS,
     SCHEDULER_PARAMS,
@@ -31,6 +32,7 @@ from .sections import (
     OptimizerConfig,
     PipelineConfig,
     ProgressiveLayerDropConfig,
+    QuantizeTrainingConfig,
     SchedulerConfig,
     TensorParallelConfig,
     ZeroConfig,
@@ -51,10 +53,12 @@ __all__ = [
     "DataTypesConfig",
     "FP16Config",
     "FlopsProfilerConfig",
+    "MoQConfig",
     "MonitorConfig",
     "OptimizerConfig",
     "PipelineConfig",
     "ProgressiveLayerDropConfig",
+    "QuantizeTrainingConfig",
     "SchedulerConfig",
     "TachyonConfig",
     "TensorParallelConfig",

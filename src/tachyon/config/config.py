@@ -34,6 +34,7 @@ from .sections import (
     OptimizerConfig,
     PipelineConfig,
     ProgressiveLayerDropConfig,
+    QuantizeTrainingConfig,
     SchedulerConfig,
     TensorParallelConfig,
     ZeroConfig,
@@ -82,6 +83,7 @@ class TachyonConfig(Section):
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     progressive_layer_drop: ProgressiveLayerDropConfig = Field(default_factory=ProgressiveLayerDropConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    quantize_training: QuantizeTrainingConfig = Field(default_factory=QuantizeTrainingConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
 
@@ -115,7 +117,7 @@ class TachyonConfig(Section):
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready DeepSpeed-style dict; ``load_config(c.to_dict(), world_size) == c`` for
         the world_size ``c`` was loaded with. Ignored keys are written back as given."""
-        out = self.model_dump(mode="json", exclude_none=True)
+        out = self.model_dump(mode="json", exclude_none=True, by_alias=True)
         for path, value in self._ignored.items():
             node = out
             *parents, leaf = path.split(".")
@@ -190,6 +192,13 @@ def _cross_section_problems(config: TachyonConfig) -> list[str]:
             "partitioning keeps 1/tp of each checkpointed input and all-gathers it back, which assumes the input is "
             "the same on every tensor-parallel rank; sequence parallelism already splits those inputs along the "
             "sequence (each rank holds a different slice). Turn one of them off"
+        )
+    tp = config.tensor_parallel.size
+    if config.quantize_training.enabled and tp > 1:
+        problems.append(
+            f"`quantize_training.enabled: true` with `tensor_parallel.tp_size: {tp}`: MoQ scales each output channel "
+            "by its largest weight, and a row-parallel shard holds only part of each row, so the shards would not "
+            "share one grid; use tensor_parallel.tp_size 1 with quantize_training"
         )
     return problems
 

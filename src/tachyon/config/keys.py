@@ -37,8 +37,8 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "elasticity": "elastic training",
     "autotuning": "the autotuner",
     "aio": "async I/O for NVMe offload",
-    "quantize_training": "MoQ quantization-aware training",
     "eigenvalue": "eigenvalue computation for MoQ",
+    "quantize_training.eigenvalue": "eigenvalue-adaptive MoQ quantization periods",
     "wandb": "Weights & Biases monitoring; use tensorboard or csv_monitor",
     "comet": "Comet monitoring; use tensorboard or csv_monitor",
     "nebula": "Nebula checkpointing",
@@ -91,6 +91,7 @@ ACCEPTED_IGNORED_KEYS: tuple[str, ...] = (
     "timers",
     "seq_parallel_communication_data_type",
     "optimizer.legacy_fusion",
+    "quantize_training.quantizer_kernel",
     "bf16.immediate_grad_update",
     "zero_optimization.allgather_partitions",
     "zero_optimization.use_multi_rank_bucket_allreduce",
@@ -126,7 +127,7 @@ _FALSE = (_is(False, None), "false")
 OFF_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{key: _DISABLED for key in (
         "amp", "torch_autocast", "comms_logger",
-        "curriculum_learning", "data_efficiency", "elasticity", "autotuning", "eigenvalue",
+        "curriculum_learning", "data_efficiency", "elasticity", "autotuning", "eigenvalue", "quantize_training.eigenvalue",
         "wandb", "comet", "nebula", "hybrid_engine", "weight_quantization",
     )},
     **{key: _FALSE for key in (
@@ -214,6 +215,7 @@ def walk(
     (path -> value). Sections (fields whose type is a model) are walked recursively.
     """
     fields = model.model_fields
+    by_key = {(info.alias or name): name for name, info in fields.items()}  # JSON key -> field
     cleaned: dict[str, Any] = {}
     for key, value in raw.items():
         path = join_path(prefix, key)
@@ -230,23 +232,24 @@ def walk(
                         "tachyon implements ZeRO stages 0, 1 and 2"
                     )
                 else:
-                    in_fields = key in fields
+                    in_fields = key in by_key
                     problems.append(
                         not_supported(path, UNSUPPORTED_KEYS[pattern],
                                       value if in_fields or off_text else None, off_text)
                     )  # fmt: skip
                 continue
-            if key not in fields:
+            if key not in by_key:
                 ignored[path] = value
                 continue
         elif path in ACCEPTED_IGNORED_KEYS:
             ignored[path] = value
             continue
-        if key not in fields:
-            problems.append(unknown_key(path, prefix, [*fields, *_known_keys(prefix)]))
+        if key not in by_key:
+            problems.append(unknown_key(path, prefix, [*by_key, *_known_keys(prefix)]))
             continue
-        section = _section_model(fields[key].annotation)
-        if section is not None and not (value is None and fields[key].default is None):
+        field = fields[by_key[key]]
+        section = _section_model(field.annotation)
+        if section is not None and not (value is None and field.default is None):
             if not isinstance(value, dict):
                 problems.append(_not_a_section(path, value))
                 continue

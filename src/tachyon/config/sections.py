@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, PlainValidator, model_validator
 
+from .errors import ConfigError
+from .quantize_training import MoQConfig
 from .types import (
     BucketSize,
     DType,
@@ -175,6 +177,71 @@ class FlopsProfilerConfig(Section):
     top_modules: PositiveInt = 1
     detailed: bool = True
     output_file: str | None = None
+
+
+class QuantizeBitsConfig(Section):
+    """``"quantize_training.quantize_bits"``: the grid starts at ``start_bits`` and loses one bit
+    per switch until ``target_bits`` (both in [2, 16], start >= target)."""
+
+    start_bits: Annotated[int, Field(ge=2, le=16)] = 16
+    target_bits: Annotated[int, Field(ge=2, le=16)] = 8
+
+
+class QuantizeScheduleConfig(Section):
+    """``"quantize_training.quantize_schedule"``: snapping starts after ``schedule_offset``
+    optimizer steps; bits drop at ``quantize_period`` steps past it, then 2x, 4x, ... that."""
+
+    quantize_period: PositiveInt = 100
+    schedule_offset: NonNegativeInt = 0
+
+
+class QuantizeAlgoConfig(Section):
+    """``"quantize_training.quantize-algo"``: symmetric grids, round to nearest (DeepSpeed's
+    asymmetric and stochastic variants are not implemented)."""
+
+    q_type: Literal["symmetric"] = "symmetric"
+    rounding: Literal["nearest"] = "nearest"
+
+
+class MixedQuantizeConfig(Section):
+    """``"quantize_training.fp16_mixed_quantize"``: weights are ``r * w + (1 - r) * Q(w)``, r
+    starting at 1 after each bit switch and falling by ``quantize_change_ratio`` per step."""
+
+    enabled: bool = False
+    quantize_change_ratio: Annotated[float, Field(gt=0, le=1)] = 0.001
+
+
+class QuantizeTrainingConfig(Section):
+    """``"quantize_training"``: MoQ quantization-aware training (`tachyon.engine.moq`; the
+    schedule and grid: `tachyon.inference.moq`). DeepSpeed's keys and its default (off).
+
+    ``quantize_groups`` is DeepSpeed's number of flat groups per weight (1, its default, means one
+    scale per output channel here, which is finer); ``group_size`` (tachyon's) groups that many
+    input columns per scale; give one of them. ``quantizer_kernel`` is accepted and ignored;
+    ``eigenvalue`` is refused unless disabled. `MoQConfig.from_dict` checks the rules across keys,
+    so the section is refused here exactly as the standalone ``MoQ`` would refuse it.
+    """
+
+    enabled: bool = False
+    quantize_bits: QuantizeBitsConfig = Field(default_factory=QuantizeBitsConfig)
+    quantize_schedule: QuantizeScheduleConfig = Field(default_factory=QuantizeScheduleConfig)
+    quantize_groups: PositiveInt | None = None
+    group_size: PositiveInt | None = None
+    quantize_algo: QuantizeAlgoConfig = Field(default_factory=QuantizeAlgoConfig, alias="quantize-algo")
+    fp16_mixed_quantize: MixedQuantizeConfig = Field(default_factory=MixedQuantizeConfig)
+    quantize_verbose: bool = False
+
+    @model_validator(mode="after")
+    def _moq_rules(self) -> QuantizeTrainingConfig:
+        try:
+            self.moq_config()
+        except ConfigError as error:
+            raise problem("; ".join(error.problems)) from None
+        return self
+
+    def moq_config(self) -> MoQConfig:
+        """The section as the frozen `MoQConfig` the schedule runs on."""
+        return MoQConfig.from_dict(self.model_dump(by_alias=True, exclude_none=True))
 
 
 def _zero_means_one(value: Any) -> Any:

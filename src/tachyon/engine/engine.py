@@ -45,6 +45,11 @@ mode the engine adds ``progressive_layer_drop=True, pld_theta=engine.get_pld_the
 model's forward (a model whose forward cannot take them is refused at initialize), and
 parameters that got no gradient in a step on any rank (dropped layers) are left untouched by the
 optimizer, master weights and moments alike.
+
+MoQ (``quantize_training`` section, `tachyon.engine.moq`): after every optimizer step taken
+(boundary, no overflow) ``engine.quantizer`` counts the step and snaps the model's linear weights
+onto its current grid from their full-precision values, which the optimizer keeps updating;
+``engine.quantizer.inference_quant()`` is the ``quant=`` for `tachyon.init_inference`.
 """
 
 from __future__ import annotations
@@ -108,6 +113,10 @@ class Engine(torch.nn.Module):
         mesh: Any = None,
     ):
         check_engine_inputs(model, config, optimizer, lr_scheduler)
+        if config.quantize_training.enabled:
+            from .moq import check_moq_inputs
+
+            check_moq_inputs(model, config, mesh.size("tp") if mesh is not None else 1)
         super().__init__()
         self.module = model
         self.config = config
@@ -156,6 +165,12 @@ class Engine(torch.nn.Module):
         pld = config.progressive_layer_drop
         self.progressive_layer_drop = ProgressiveLayerDrop(pld.theta, pld.gamma) if pld.enabled else None
         self._unused_guard = UnusedParameterGuard(self.zero, comm) if pld.enabled else None
+        self.quantizer = None
+        """MoQ (``quantize_training`` section; `tachyon.engine.moq.EngineMoQ`), None when off."""
+        if config.quantize_training.enabled:
+            from .moq import EngineMoQ
+
+            self.quantizer = EngineMoQ(model, config, self.zero)
         self.telemetry.attach_model(model, self)
         self.training_dataloader = (
             self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
@@ -241,10 +256,14 @@ class Engine(torch.nn.Module):
                 coef = (max_norm / (self._grad_norm + CLIP_EPS)).clamp(max=1.0)
                 for grad in grads:
                     grad.mul_(coef)
+            if self.quantizer is not None:
+                self.quantizer.before_step()  # the optimizer steps full-precision values
             guard = self._unused_guard
             with guard.keep_unused(self.optimizer) if guard is not None else nullcontext():
                 self.optimizer.step()
             self.zero.after_step()
+            if self.quantizer is not None:
+                self.quantizer.after_step()  # count the step, snap the model's linear weights
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.precision.update(overflow)

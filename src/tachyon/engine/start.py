@@ -81,6 +81,10 @@ def initialize(
     check_engine_inputs(model, cfg, optimizer, lr_scheduler)
     check_parallel_inputs(model, cfg, layout, optimizer)
     check_layout(model, layout)
+    if cfg.quantize_training.enabled:
+        from .moq import check_moq_inputs
+
+        check_moq_inputs(model, cfg, layout.tp)
 
     if must_init:
         _init_distributed()

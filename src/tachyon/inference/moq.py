@@ -1,6 +1,6 @@
 """MoQ (Mixture-of-Quantization): quantization-aware training whose weights INT8 inference loads.
 
-DeepSpeed's ``quantize_training`` config section, same keys::
+DeepSpeed's ``quantize_training`` config section, same keys (``enabled`` defaults to false)::
 
     "quantize_training": {
       "enabled": true,
@@ -9,7 +9,7 @@ DeepSpeed's ``quantize_training`` config section, same keys::
       "quantize_groups": 1,                         # DeepSpeed's flat groups; tachyon: "group_size"
       "quantize-algo": {"q_type": "symmetric", "rounding": "nearest"},
       "fp16_mixed_quantize": {"enabled": false, "quantize_change_ratio": 0.001},
-      "quantize_verbose": false, "quantizer_kernel": false
+      "quantize_verbose": false, "quantizer_kernel": false     # quantizer_kernel: accepted, no effect
     }
 
 How it trains (DeepSpeed's schedule): after ``schedule_offset`` optimizer steps the weights of
@@ -28,7 +28,19 @@ groups per output channel by default (``quantize_groups`` = DeepSpeed's flat gro
 quant=moq.inference_quant())`` builds, so a model trained to ``target_bits`` <= 8 with per-channel
 or group_size groups loads into INT8 inference with its trained weights unchanged.
 
-Usage::
+Usage with the training engine (the section in the config, as in DeepSpeed; `tachyon.engine.moq`
+handles fp32/bf16/fp16 masters, ZeRO-1/2, gradient accumulation, skipped fp16 steps and
+checkpoints)::
+
+    ds_config = {..., "quantize_training": {"enabled": True, "quantize_bits": {...}, ...}}
+    engine, optimizer, _, _ = tachyon.initialize(model=model, config=ds_config)
+    for batch in loader:
+        engine.backward(engine(**batch).loss)
+        engine.step()                        # the linear weights are snapped after each optimizer step
+    engine.quantizer.bits                    # the current grid
+    infer = tachyon.init_inference(engine.module, quant=engine.quantizer.inference_quant(), dtype=torch.float16)
+
+Standalone, around any torch optimizer (the ``enabled`` key is not needed here)::
 
     moq = MoQ(model, ds_config["quantize_training"])
     for batch in loader:
@@ -36,79 +48,23 @@ Usage::
         moq.step(optimizer)                  # instead of optimizer.step()
         optimizer.zero_grad()
     engine = tachyon.init_inference(model, quant=moq.inference_quant(), dtype=torch.float16)
+
+`MoQConfig` (the parsed section) lives in `tachyon.config.quantize_training`; `MoQSchedule` is the
+schedule state and the snap both paths share.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
 import torch
 from torch import nn
 
-from tachyon.config.errors import ConfigError, render, unknown_key
+from tachyon.config.quantize_training import KEYS, MoQConfig
 from tachyon.kernels.int8_linear import fake_quantize
 
 logger = logging.getLogger(__name__)
-
-KEYS = ("enabled", "quantize_bits", "quantize_schedule", "quantize_groups", "group_size", "quantize-algo",
-        "fp16_mixed_quantize", "quantize_verbose", "quantizer_kernel", "eigenvalue")
-
-
-@dataclasses.dataclass(frozen=True)
-class MoQConfig:
-    start_bits: int = 16
-    target_bits: int = 8
-    quantize_period: int = 100
-    schedule_offset: int = 0
-    quantize_groups: int | None = None
-    group_size: int | None = None
-    mixed_fp16: bool = False
-    change_ratio: float = 0.001
-    verbose: bool = False
-
-    @classmethod
-    def from_dict(cls, section: dict[str, Any]) -> MoQConfig:
-        """Parse DeepSpeed's ``quantize_training`` section (the section itself, or a full config)."""
-        if "quantize_training" in section:
-            section = section["quantize_training"]
-        problems = [unknown_key(f"quantize_training.{k}", "quantize_training", KEYS) for k in section if k not in KEYS]
-        bits = section.get("quantize_bits", {})
-        schedule = section.get("quantize_schedule", {})
-        algo = section.get("quantize-algo", {})
-        mixed = section.get("fp16_mixed_quantize", {})
-        if algo.get("q_type", "symmetric") != "symmetric":
-            problems.append(f"`quantize_training.quantize-algo.q_type` must be \"symmetric\"; got {render(algo['q_type'])}")
-        if algo.get("rounding", "nearest") != "nearest":
-            problems.append("`quantize_training.quantize-algo.rounding`: only \"nearest\" is implemented; got "
-                            f"{render(algo['rounding'])}")
-        if (section.get("eigenvalue") or {}).get("enabled", False):
-            problems.append("`quantize_training.eigenvalue.enabled: true`: eigenvalue-adaptive periods are not "
-                            "implemented; remove it")
-        start, target = bits.get("start_bits", 16), bits.get("target_bits", 8)
-        for name, value, low, high in (("quantize_bits.start_bits", start, 2, 16),
-                                       ("quantize_bits.target_bits", target, 2, 16)):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                problems.append(f"`quantize_training.{name}` must be an int in [{low}, {high}]; got {render(value)}")
-        if isinstance(start, int) and isinstance(target, int) and start < target:
-            problems.append(f"`quantize_training.quantize_bits`: start_bits ({start}) must be >= target_bits ({target})")
-        period = schedule.get("quantize_period", 100)
-        offset = schedule.get("schedule_offset", 0)
-        for name, value, low in (("quantize_schedule.quantize_period", period, 1),
-                                 ("quantize_schedule.schedule_offset", offset, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                problems.append(f"`quantize_training.{name}` must be an int >= {low}; got {render(value)}")
-        groups, group_size = section.get("quantize_groups"), section.get("group_size")
-        if groups == 1 and group_size is None:
-            groups = None  # DeepSpeed's default; tachyon's default (per output channel) is finer
-        if groups is not None and group_size is not None:
-            problems.append("`quantize_training`: give quantize_groups or group_size, not both")
-        if problems:
-            raise ConfigError(problems)
-        return cls(start, target, period, offset, groups, group_size, bool(mixed.get("enabled", False)),
-                   float(mixed.get("quantize_change_ratio", 0.001)), bool(section.get("quantize_verbose", False)))
-
 
 def quantizable_weights(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
     """(name, weight, transposed) of every nn.Linear / HF Conv1D weight not shared with an
@@ -122,27 +78,19 @@ def quantizable_weights(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]
     return out
 
 
-class MoQ:
-    """The MoQ schedule over a model's linear weights (see the module docstring)."""
+class MoQSchedule:
+    """DeepSpeed's MoQ schedule and grid: the state (optimizer steps counted, current bits, the
+    current period, the fp16-mixing ratio) and the snap of one full-precision weight. Shared by
+    the standalone `MoQ` and the training engine (`tachyon.engine.moq`)."""
 
-    def __init__(self, model: nn.Module, config: dict[str, Any] | MoQConfig) -> None:
-        self.config = config if isinstance(config, MoQConfig) else MoQConfig.from_dict(config)
-        self.weights = quantizable_weights(model)
-        if not self.weights:
-            raise ValueError(f"MoQ: {type(model).__name__} has no nn.Linear / Conv1D weights to quantize")
-        self.master = {id(p): p.detach().float().clone() for _, p, _ in self.weights}
+    def __init__(self, config: MoQConfig) -> None:
+        self.config = config
         self.steps = 0
-        self.bits = self.config.start_bits
-        self.period = self.config.quantize_period
+        self.bits = config.start_bits
+        self.period = config.quantize_period
         self.real_ratio = 1.0
 
-    def _snap(self, w: torch.Tensor, transposed: bool) -> torch.Tensor:
-        c = self.config
-        w2 = w.t() if transposed else w
-        q = fake_quantize(w2, self.bits, group_size=c.group_size, q_groups=c.quantize_groups)
-        return q.t() if transposed else q
-
-    def _advance(self) -> None:
+    def advance(self) -> None:
         """DeepSpeed's schedule: count a step; drop a bit when the count reaches the period (then double it)."""
         c = self.config
         self.steps += 1
@@ -159,27 +107,25 @@ class MoQ:
 
     @property
     def active(self) -> bool:
+        """Whether the offset has passed (weights are snapped after the steps that follow)."""
         return self.steps >= self.config.schedule_offset
 
-    @torch.no_grad()
-    def step(self, optimizer: torch.optim.Optimizer, overflow: bool = False) -> None:
-        """optimizer.step() on the full-precision masters, then the weights re-quantized. With
-        ``overflow`` (an fp16 step that was skipped) nothing changes, as in DeepSpeed."""
-        if overflow:
-            return
-        for _, p, _ in self.weights:  # the optimizer updates the masters (straight-through gradients)
-            p.data.copy_(self.master[id(p)].to(p.dtype))
-        optimizer.step()
-        self._advance()
-        for _, p, transposed in self.weights:
-            master = self.master[id(p)]
-            master.copy_(p.data.float())
-            if not self.active:
-                continue
-            q = self._snap(master, transposed)
-            if self.config.mixed_fp16:
-                q = self.real_ratio * master + (1.0 - self.real_ratio) * q.float()
-            p.data.copy_(q.to(p.dtype))
+    @property
+    def quantizing(self) -> bool:
+        """Whether the weights the model holds now are snapped (a step was taken, the offset passed)."""
+        return self.steps > 0 and self.active
+
+    def snap(self, master: torch.Tensor, transposed: bool) -> torch.Tensor:
+        """The model's weight for the full-precision ``master`` (fp32, the parameter's shape; an HF
+        Conv1D weight [in, out] is ``transposed``): its ``bits`` grid per output channel or group,
+        mixed with ``master`` by ``real_ratio`` under fp16_mixed_quantize. Returns fp32."""
+        c = self.config
+        w2 = master.t() if transposed else master
+        q = fake_quantize(w2, self.bits, group_size=c.group_size, q_groups=c.quantize_groups)
+        q = q.t() if transposed else q
+        if c.mixed_fp16:
+            q = self.real_ratio * master + (1.0 - self.real_ratio) * q.float()
+        return q
 
     def inference_quant(self) -> dict[str, Any]:
         """The ``quant=`` for init_inference that reproduces this model's grid (target bits <= 8)."""
@@ -194,5 +140,52 @@ class MoQ:
             weight["q_groups"] = c.quantize_groups
         return {"enabled": True, "weight": weight}
 
+    def state_dict(self) -> dict[str, Any]:
+        """JSON data: ``steps``, ``bits``, ``period``, ``real_ratio``."""
+        return {"steps": self.steps, "bits": self.bits, "period": self.period, "real_ratio": self.real_ratio}
 
-__all__ = ["MoQ", "MoQConfig", "quantizable_weights"]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps, self.bits = int(state["steps"]), int(state["bits"])
+        self.period, self.real_ratio = int(state["period"]), float(state["real_ratio"])
+
+
+class MoQ:
+    """The MoQ schedule over a model's linear weights, around any torch optimizer (see the module
+    docstring; the training engine does the same from the config: `tachyon.engine.moq`)."""
+
+    def __init__(self, model: nn.Module, config: dict[str, Any] | MoQConfig) -> None:
+        self.schedule = MoQSchedule(config if isinstance(config, MoQConfig) else MoQConfig.from_dict(config))
+        self.weights = quantizable_weights(model)
+        if not self.weights:
+            raise ValueError(f"MoQ: {type(model).__name__} has no nn.Linear / Conv1D weights to quantize")
+        self.master = {id(p): p.detach().float().clone() for _, p, _ in self.weights}
+
+    config = property(lambda self: self.schedule.config)
+    steps = property(lambda self: self.schedule.steps)
+    bits = property(lambda self: self.schedule.bits)
+    period = property(lambda self: self.schedule.period)
+    real_ratio = property(lambda self: self.schedule.real_ratio)
+    active = property(lambda self: self.schedule.active)
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer, overflow: bool = False) -> None:
+        """optimizer.step() on the full-precision masters, then the weights re-quantized. With
+        ``overflow`` (an fp16 step that was skipped) nothing changes, as in DeepSpeed."""
+        if overflow:
+            return
+        for _, p, _ in self.weights:  # the optimizer updates the masters (straight-through gradients)
+            p.data.copy_(self.master[id(p)].to(p.dtype))
+        optimizer.step()
+        self.schedule.advance()
+        for _, p, transposed in self.weights:
+            master = self.master[id(p)]
+            master.copy_(p.data.float())
+            if self.schedule.active:
+                p.data.copy_(self.schedule.snap(master, transposed).to(p.dtype))
+
+    def inference_quant(self) -> dict[str, Any]:
+        """The ``quant=`` for init_inference that reproduces this model's grid (target bits <= 8)."""
+        return self.schedule.inference_quant()
+
+
+__all__ = ["KEYS", "MoQ", "MoQConfig", "MoQSchedule", "quantizable_weights"]

@@ -13,7 +13,7 @@ Protocol (all ranks call it; either every rank loads or none changes anything):
    exchanged again;
 4. only then the engine is changed: masters, optimizer states and hyperparameters, model
    weights (all-gathered), frozen parameters and buffers, loss scale, scheduler, step counters,
-   RNG states.
+   the MoQ schedule (then the model's linear weights are snapped again), RNG states.
 """
 
 from __future__ import annotations
@@ -124,6 +124,9 @@ def load_checkpoint(
         load_error_feedback(engine.optimizer, (rng or {}).get("onebit_error_feedback"))
     if not load_module_only:
         _restore_training_state(engine, meta, extra, rng, load_lr_scheduler_states, rank)
+    quantizer = getattr(engine, "quantizer", None)
+    if quantizer is not None:  # the masters are in the model unsnapped: snap them for the (restored) schedule
+        quantizer.after_load()
     return str(ckpt), extra.get("client_state") if isinstance(extra, dict) else None
 
 
@@ -138,6 +141,9 @@ def _restore_training_state(engine, meta: dict, extra: Any, rng: Any, load_sched
     scheduler_state = extra.get("lr_scheduler") if isinstance(extra, dict) else None
     if load_scheduler and engine.lr_scheduler is not None and scheduler_state is not None:
         engine.lr_scheduler.load_state_dict(scheduler_state)
+    quantizer, moq_state = getattr(engine, "quantizer", None), meta.get("quantize_training")
+    if quantizer is not None and moq_state is not None:
+        quantizer.load_state_dict(moq_state)
     engine.global_steps = int(meta["global_steps"])
     engine.skipped_steps = int(meta["skipped_steps"])
     if meta["gradient_accumulation_steps"] == engine.gradient_accumulation_steps():

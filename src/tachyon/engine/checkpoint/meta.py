@@ -1,7 +1,8 @@
 """meta.json (what a checkpoint holds besides tensors), client-state checks, rank agreement.
 
 meta.json is plain JSON written by rank 0: step counters, precision and ZeRO settings of the
-run that saved, its (dp, pp, tp) layout, the trained-parameter table (name, full shape, group)
+run that saved, the MoQ schedule state (``quantize_training``: steps, bits, period, real_ratio;
+null without MoQ), its (dp, pp, tp) layout, the trained-parameter table (name, full shape, group)
 and the ``module.state_dict()`` key map (both merged over every rank: a pipeline rank knows its
 own stage only), and per optimizer param group its hyperparameters and which state keys exist.
 """
@@ -90,6 +91,7 @@ def build_meta(engine, tag: str, world_size: int, tables: list[dict[str, Any]] |
     mesh = engine.mesh
     layout = {axis: (mesh.size(axis) if mesh is not None else 1) for axis in ("dp", "pp", "tp")}
     layout["dp"] = engine.comm.world_size
+    quantizer = getattr(engine, "quantizer", None)
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -111,6 +113,7 @@ def build_meta(engine, tag: str, world_size: int, tables: list[dict[str, Any]] |
             "groups": groups,
         },
         "has_scheduler": engine.lr_scheduler is not None,
+        "quantize_training": _jsonable(quantizer.state_dict()) if quantizer is not None else None,
     }
 
 

@@ -7,7 +7,7 @@ shard of the full one; with pipeline parallelism a rank holds one stage's parame
 checkpoint must not depend on any of that, so every trained parameter is written as its own
 LOGICAL tensor of the FULL parameter (``[d0, d1 * ...]``, 1-D for a vector; see `boxes.py`):
 
-    master/<param name>            fp32 master weight
+    master/<param name>            fp32 master weight (with MoQ: the full-precision value, not the snap)
     optim/<param name>/<key>       each optimizer state shaped like the master (exp_avg, ...)
     optim_group/<g>/<key>          other tensor states of group g (``step``), written by rank 0
     model/<state_dict key>         frozen parameters and buffers, full shape, written once
@@ -155,6 +155,8 @@ def save_state_dict(engine, optimizer_meta: list[dict]) -> dict[str, Any]:
     """This rank's DCP state dict (see the module docstring); ``optimizer_meta`` from `meta.py`."""
     zero, optimizer = engine.zero, engine.optimizer
     mine = pieces_of(engine, zero.rank, whole=zero.world_size == 1)
+    quantizer = getattr(engine, "quantizer", None)  # MoQ: full-precision values, not the snapped model buffer
+    masters = quantizer.checkpoint_masters() if quantizer is not None else zero.masters
     out: dict[str, Any] = {}
     for i, (slot, name) in enumerate(zip(zero.flat.slots, param_names(engine))):
         if not written_here(engine, name, slot.param):
@@ -166,7 +168,7 @@ def save_state_dict(engine, optimizer_meta: list[dict]) -> dict[str, Any]:
             sources = [source.detach().narrow(0, p.master_offset, p.hi - p.lo) for p in mine[i]]
             return _logical(geo, mine[i], sources, source.dtype)
 
-        out[MASTER + name] = logical(master)
+        out[MASTER + name] = logical(masters[slot.group])
         if optimizer is not None:
             for key in optimizer_meta[slot.group]["flat"]:
                 out[f"{OPTIM}{name}/{key}"] = logical(optimizer.state[master][key])
