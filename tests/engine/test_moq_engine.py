@@ -126,6 +126,11 @@ def test_weights_lie_on_the_current_grid_and_the_masters_stay_full_precision(one
         assert not torch.equal(full, engine.zero.masters[0])
         first = full.narrow(0, 0, HIDDEN * IN).view(HIDDEN, IN)
         assert off_grid(first, bits) > 0.1, "the full-precision values should not be on the grid"
+    # the copies are counted: 4 bytes per quantized weight element, inside model_states
+    breakdown = engine.memory_breakdown()
+    assert breakdown["moq_full_precision"] == 4 * (HIDDEN * IN + OUT * HIDDEN)
+    parts = ("parameters", "gradients", "master_weights", "optimizer_states", "moq_full_precision")
+    assert breakdown["model_states"] == sum(breakdown[k] for k in parts)
 
 
 @pytest.mark.parametrize("variant", [{}, {"group_size": 8}, {"quantize_groups": 4},

@@ -429,8 +429,15 @@ class Engine(torch.nn.Module):
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds: parameters, gradients, master_weights, optimizer_states, their
-        sum model_states, and buckets (reduce bucket buffers, reported separately)."""
-        return self.zero.memory_breakdown(self.optimizer)
+        sum model_states, and buckets (reduce bucket buffers, reported separately). With MoQ,
+        also moq_full_precision (the fp32 copies of the quantized weights kept where the master
+        is the model's own buffer), counted in model_states."""
+        breakdown = self.zero.memory_breakdown(self.optimizer)
+        if self.quantizer is not None:
+            extra = self.quantizer.memory_bytes()
+            breakdown["moq_full_precision"] = extra
+            breakdown["model_states"] += extra
+        return breakdown
 
     def __getattr__(self, name: str) -> Any:
         try:

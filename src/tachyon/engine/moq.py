@@ -178,6 +178,10 @@ class EngineMoQ:
                 p.wait()
         return {g: full for g in groups}
 
+    def memory_bytes(self) -> int:
+        """Bytes of the full-precision copies this rank keeps (none where the masters are separate)."""
+        return sum(copy.numel() * copy.element_size() for copy in self._copies.values())
+
     # ------------------------------------------------------------------ checkpoints
     def after_load(self) -> None:
         """After a checkpoint's masters were written into the engine (the model buffer holds
