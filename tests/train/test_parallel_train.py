@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tachyon.train.report import read_metrics
+from tests.train._cli import run_train
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 JOB = {
     "model": "gpt", "position": "rope", "tokenizer": "byte", "hidden_size": 32, "num_layers": 2, "num_heads": 2,
@@ -41,13 +38,7 @@ reductions add in another order (measured differences are about 1e-6 relative)."
 
 
 def _train(config: Path, out: Path, *flags: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "tachyon", "train", str(config), "--output-dir", str(out),
-                           "--no-progress", *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"exit code {proc.returncode}; output:\n{output[-4000:]}"
-    return output
+    return run_train(str(config), "--output-dir", str(out), "--no-progress", *flags)
 
 
 @pytest.fixture(scope="module")

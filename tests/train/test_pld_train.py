@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from tachyon.engine.pld import ProgressiveLayerDrop
 from tachyon.train.config import DEFAULT_ENGINE, load_train_config
 from tachyon.train.models import GPT, BertMLM
 from tachyon.train.report import read_metrics, time_to_loss
+from tests.train._cli import run_train
 from tests.utils import assert_close
 
 BYTE = load_tokenizer("byte")
@@ -198,22 +198,12 @@ TINY = {"model": "bert", "hidden_size": 32, "num_layers": 2, "num_heads": 2, "se
 """2 layers, 2 processes; a fast schedule (keep ratio 0.2 + 0.8 exp(-0.3 t)) so layers drop in 6 steps."""
 
 
-def _train(*argv: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "tachyon", "train", *argv], env=env, capture_output=True, text=True,
-                          timeout=300)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"exit code {proc.returncode}; output:\n{output[-4000:]}"
-    return output
-
-
 @pytest.fixture(scope="module")
 def pld_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("pld_train")
     config = root / "tiny.json"
     config.write_text(json.dumps(TINY))
-    output = _train(str(config), "--pld", "--output-dir", str(root / "full"), "--no-progress")
+    output = run_train(str(config), "--pld", "--output-dir", str(root / "full"), "--no-progress")
     return root, config, output
 
 
@@ -247,7 +237,7 @@ def test_a_resume_continues_the_schedule_and_the_drop_decisions(pld_run):
         rows = [line for line in (full / name).read_text().splitlines()
                 if not line[:1].isdigit() or int(line.split(",")[0]) <= HALF]
         (resumed / name).write_text("\n".join(rows) + "\n")
-    _train(str(config), "--pld", "--output-dir", str(resumed), "--resume", "--quiet")
+    run_train(str(config), "--pld", "--output-dir", str(resumed), "--resume", "--quiet")
     want, got = read_metrics(full / "metrics.csv"), read_metrics(resumed / "metrics.csv")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for a, b in zip(want[HALF:], got[HALF:]):

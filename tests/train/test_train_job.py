@@ -11,20 +11,16 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from matplotlib.image import imread
 
 from tachyon.train.report import read_metrics
+from tests.train._cli import ROOT, succeeded, train_process
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[2]
 CI_CONFIG = ROOT / "examples" / "train_ci.json"
 CI_STEPS = json.loads(CI_CONFIG.read_text())["steps"]
 RESUME_STEPS = CI_STEPS + 10
@@ -33,28 +29,15 @@ LEARNING_MARGIN = 0.15
 gives the measured gap of this run and of the default job)."""
 
 
-def _train(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    return subprocess.run([sys.executable, "-m", "tachyon", "train", *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
-def _check(proc: subprocess.CompletedProcess) -> str:
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"exit code {proc.returncode}; output:\n{output[-4000:]}"
-    return output
-
-
 @pytest.fixture(scope="module")
 def ci_run(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("train_ci")
-    return output_dir, _train(str(CI_CONFIG), "--output-dir", str(output_dir), "--no-progress")
+    return output_dir, train_process(str(CI_CONFIG), "--output-dir", str(output_dir), "--no-progress")
 
 
 def test_ci_run_beats_the_unigram_baseline(ci_run):
     output_dir, proc = ci_run
-    _check(proc)
+    succeeded(proc)
     validation = read_metrics(output_dir / "validation.csv")
     last = validation[-1]
     assert last["step"] == CI_STEPS
@@ -68,7 +51,7 @@ def test_ci_run_beats_the_unigram_baseline(ci_run):
 
 def test_ci_run_prints_lines_a_table_and_a_summary(ci_run):
     output_dir, proc = ci_run
-    output = _check(proc)
+    output = succeeded(proc)
     assert "torch.distributed.run --standalone --nproc-per-node 2" in output  # re-executed through torchrun
     steps_per_print = json.loads(CI_CONFIG.read_text())["engine"]["steps_per_print"]
     for step in range(1, CI_STEPS + 1):  # printed by the engine alone, every steps_per_print steps
@@ -101,7 +84,7 @@ def test_ci_run_prints_lines_a_table_and_a_summary(ci_run):
 
 def test_ci_run_writes_metrics_and_a_plot(ci_run):
     output_dir, proc = ci_run
-    _check(proc)
+    succeeded(proc)
     rows = read_metrics(output_dir / "metrics.csv")
     assert [r["step"] for r in rows] == list(range(1, CI_STEPS + 1))
     assert all(r["tokens_per_s"] > 0 and r["step_time_s"] > 0 for r in rows)
@@ -113,11 +96,11 @@ def test_ci_run_writes_metrics_and_a_plot(ci_run):
 
 def test_resume_continues_from_the_saved_step_quietly(ci_run):
     output_dir, proc = ci_run
-    _check(proc)
+    succeeded(proc)
     assert (output_dir / "checkpoints").is_dir(), "the CI run saved no checkpoint"
     before = read_metrics(output_dir / "metrics.csv")
-    proc = _train(str(CI_CONFIG), "--output-dir", str(output_dir), "--resume", "--steps", str(RESUME_STEPS), "--quiet")
-    _check(proc)
+    proc = train_process(str(CI_CONFIG), "--output-dir", str(output_dir), "--resume", "--steps", str(RESUME_STEPS), "--quiet")
+    succeeded(proc)
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tachyon train: validation loss"), proc.stdout
     assert "unigram baseline" in lines[0] and proc.stderr.strip() == "", proc.stderr[-2000:]
@@ -140,7 +123,7 @@ def test_gpt_prints_generated_lines(tmp_path):
                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}}
     path = tmp_path / "gpt.json"
     path.write_text(json.dumps(config))
-    output = _check(_train(str(path), "--output-dir", str(tmp_path / "out"), "--no-progress"))
+    output = succeeded(train_process(str(path), "--output-dir", str(tmp_path / "out"), "--no-progress"))
     generated = output.split("generated (")[1].split("memory per rank")[0].splitlines()[1:]
     prompts = [line for line in generated if re.fullmatch(r"  \| [A-Z][A-Z ]+\.", line)]
     assert len(prompts) == 2, "\n".join(generated)
