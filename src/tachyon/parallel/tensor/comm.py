@@ -96,93 +96,50 @@ def own_slice(x: Tensor, tp: TPGroup, dim: int) -> Tensor:
     return x.chunk(tp.size, dim=dim)[tp.rank].contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return x.view_as(x)
+def _same(x: Tensor, tp: TPGroup, dim: int) -> Tensor:
+    return x.view_as(x)
+
+
+def _summed(x: Tensor, tp: TPGroup, dim: int) -> Tensor:
+    return _all_reduce(x, tp)
+
+
+class _Mapping(torch.autograd.Function):
+    """``forward_op(x, tp, dim)`` forward, ``backward_op(grad, tp, dim)`` backward: each pair of
+    the module docstring's tables is one (forward_op, backward_op)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.tp), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        return _all_reduce(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp, dim):
-        ctx.tp, ctx.dim = tp, dim
-        return all_gather_along(x, tp, dim)
+    def forward(ctx, x, tp, dim, forward_op, backward_op):
+        ctx.tp, ctx.dim, ctx.backward_op = tp, dim, backward_op
+        return forward_op(x, tp, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return own_slice(grad, ctx.tp, ctx.dim), None, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp, dim):
-        ctx.tp, ctx.dim = tp, dim
-        return own_slice(x, tp, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(grad, ctx.tp, ctx.dim), None, None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp, dim):
-        ctx.tp, ctx.dim = tp, dim
-        return all_gather_along(x, tp, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_along(grad, ctx.tp, ctx.dim), None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp, dim):
-        ctx.tp, ctx.dim = tp, dim
-        return reduce_scatter_along(x, tp, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(grad, ctx.tp, ctx.dim), None, None
+        return ctx.backward_op(grad, ctx.tp, ctx.dim), None, None, None, None
 
 
 def copy_to_tp(x: Tensor, tp: TPGroup) -> Tensor:
-    return x if tp.size == 1 else _CopyToTP.apply(x, tp)
+    return x if tp.size == 1 else _Mapping.apply(x, tp, 0, _same, _summed)
 
 
 def reduce_from_tp(x: Tensor, tp: TPGroup) -> Tensor:
-    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
+    return x if tp.size == 1 else _Mapping.apply(x, tp, 0, _summed, _same)
 
 
 def gather_from_tp(x: Tensor, tp: TPGroup, dim: int = -1) -> Tensor:
-    return x if tp.size == 1 else _GatherFromTP.apply(x, tp, dim % x.dim())
+    return x if tp.size == 1 else _Mapping.apply(x, tp, dim % x.dim(), all_gather_along, own_slice)
 
 
 def scatter_to_tp(x: Tensor, tp: TPGroup, dim: int = -1) -> Tensor:
-    return x if tp.size == 1 else _ScatterToTP.apply(x, tp, dim % x.dim())
+    return x if tp.size == 1 else _Mapping.apply(x, tp, dim % x.dim(), own_slice, all_gather_along)
 
 
 def gather_from_sp(x: Tensor, tp: TPGroup, dim: int) -> Tensor:
-    return x if tp.size == 1 else _GatherFromSP.apply(x, tp, dim % x.dim())
+    return x if tp.size == 1 else _Mapping.apply(x, tp, dim % x.dim(), all_gather_along, reduce_scatter_along)
 
 
 def reduce_scatter_to_sp(x: Tensor, tp: TPGroup, dim: int) -> Tensor:
-    return x if tp.size == 1 else _ReduceScatterToSP.apply(x, tp, dim % x.dim())
+    return x if tp.size == 1 else _Mapping.apply(x, tp, dim % x.dim(), reduce_scatter_along, all_gather_along)
 
 
 def all_reduce_grads_over_tp(param: torch.nn.Parameter, tp: TPGroup) -> None:
