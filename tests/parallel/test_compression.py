@@ -100,6 +100,22 @@ def test_world_size_one_leaves_the_tensor_alone():
     assert not reducer.worker_error.any() and not reducer.server_error.any()
 
 
+def test_world_size_one_pays_loaded_errors_out_once():
+    # buffers a one-rank run holds come from a larger run's checkpoint: added once, then zero
+    reducer = CompressedAllReduce(10)
+    reducer.worker_error.copy_(torch.arange(10.0))
+    reducer.server_error.copy_(torch.full((10,), 0.5))
+    x = torch.randn(10)
+    assert torch.equal(reducer(x.clone()), x + torch.arange(10.0) + 0.5)
+    assert not reducer.worker_error.any() and not reducer.server_error.any()
+    assert torch.equal(reducer(x.clone()), x)
+    scatter = CompressedReduceScatter(10)
+    scatter.worker_error.fill_(2.0)
+    out = torch.empty(10)
+    scatter(x, out)
+    assert torch.equal(out, x + 2.0) and not scatter.worker_error.any()
+
+
 def test_state_dict_round_trip_and_mismatch():
     reducer = CompressedAllReduce(10, block_size=32)
     reducer.worker_error.copy_(torch.arange(10.0))

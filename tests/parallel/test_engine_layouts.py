@@ -18,6 +18,7 @@ from tachyon.parallel.pipeline import PipelineModule
 from tachyon.parallel.pipeline.gpt import gpt_layer_specs, gpt_loss
 from tests.parallel import _engine_training as E
 from tests.parallel import _pp_training as T
+from tests.utils import run_distributed
 
 
 @pytest.fixture
@@ -130,6 +131,25 @@ def test_an_mpu_must_be_one_and_needs_torch_distributed(world):
     _refused(T.build_gpt(), E.config(), ValueError, "mpu should be a model-parallel unit", mpu=object())
     _refused(T.build_gpt(), E.config(), ValueError, "mpu= needs torch.distributed initialized before initialize()",
              mpu=E.MegatronMpu(None))
+
+
+def _onebit_with_tied_stages() -> str | None:
+    """On each of 2 ranks: initialize a 2-stage GPT (tied embedding) with OneBitAdam; the error."""
+    net = PipelineModule(gpt_layer_specs(**T.CFG), num_stages=2, loss_fn=gpt_loss)
+    config = {**E.config(gas=2, stage=0, stages=2),
+              "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "comm_backend_name": "gloo"}}}
+    try:
+        tachyon.initialize(model=net, config=config)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.distributed
+def test_one_bit_optimizers_are_refused_with_tied_weights_across_stages():
+    for message in run_distributed(_onebit_with_tied_stages, 2):
+        assert message is not None and "1-bit optimizer with a PipelineModule whose stages share tied weights (embed)" \
+            in message, message
 
 
 def test_more_stages_than_layers_and_no_loss_fn_are_refused_by_the_module():

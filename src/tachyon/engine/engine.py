@@ -155,7 +155,12 @@ class Engine(torch.nn.Module):
             self.zero.set_model_parallel(ModelParallelSum(mesh), duplicate_parameters(model, mesh))
         self.optimizer = _bind_optimizer(optimizer, config, self.zero)
         precision = self.precision  # not self: the strategy must not keep the engine alive
-        if not bind_onebit_optimizer(self.optimizer, self.zero, loss_scale=lambda: precision.loss_scale) \
+        tp = None
+        if mesh is not None and mesh.size("tp") > 1:
+            from tachyon.parallel.tensor import tp_group
+
+            tp = tp_group(mesh)
+        if not bind_onebit_optimizer(self.optimizer, self.zero, loss_scale=lambda: precision.loss_scale, tp=tp) \
                 and hasattr(self.optimizer, "in_compression_stage"):
             bound = self.optimizer
             self.zero.set_local_gradients(lambda: bool(bound.in_compression_stage))

@@ -31,6 +31,7 @@ from tachyon.config import ConfigError, TachyonConfig
 from tachyon.parallel.pipeline import PipelineModule
 
 from .optim.lamb import Lamb
+from .optim.onebit import OneBitOptimizer
 from .precision import Precision
 
 
@@ -46,6 +47,14 @@ def check_parallel_inputs(model: Any, config: TachyonConfig, layout: Any, optimi
         )
     if not isinstance(model, PipelineModule):
         return
+    onebit = (config.optimizer is not None and config.optimizer.type in ("OneBitAdam", "OneBitLamb")) or \
+        isinstance(optimizer, OneBitOptimizer)
+    if onebit and model.num_stages > 1 and model.tied_weight_keys:
+        raise ConfigError(
+            f"a 1-bit optimizer with a PipelineModule whose stages share tied weights ({', '.join(model.tied_weight_keys)}): "
+            "each stage would compress its copy's momentum on its own and the copies would drift apart; untie the "
+            "weights (tie_embeddings=False) or use Adam / Lamb with pipelines"
+        )
     if model.num_stages > 1 and config.zero_stage >= 2:
         raise ConfigError(
             f"`zero_optimization.stage: {config.zero_stage}` with a {model.num_stages}-stage PipelineModule: ZeRO stage 2 "

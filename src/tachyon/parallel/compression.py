@@ -47,7 +47,9 @@ Non-finite inputs (an fp16 overflow) come out non-finite where their blocks land
 the error buffers as they were there (`_keep_finite`).
 
 World size 1: there is nothing to average; the all-reduce leaves the tensor as it is and the
-reduce-scatter copies it (no compression, errors untouched).
+reduce-scatter copies it (no compression). Error buffers a one-rank run holds can only come
+from a checkpoint of a larger run: the first call adds them to its result and zeroes them, so
+the identity above still holds (`_pay_out`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,14 @@ DEFAULT_BLOCK_SIZE = 2048
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 """torch 2.13 renamed all_gather_into_tensor (the old name warns); looked up at call time, so a
 wrapper installed on torch.distributed (a byte counter) sees the call."""
+
+
+def all_gather_into(output: Tensor, tensor: Tensor, group=None) -> Tensor:
+    """``output`` [world_size * n] <- every rank's ``tensor`` [n], in rank order (torch's
+    all_gather_single / all_gather_into_tensor, whichever this torch has)."""
+    getattr(dist, _ALL_GATHER)(output, tensor, group=group)
+    return output
+
 
 _BLOCK_ALIGN = 32  # elements; 32 sign bits = 4 bytes, so the fp32 scales after them stay aligned
 
@@ -230,6 +240,19 @@ def _keep_finite(error: Tensor, new: Tensor) -> None:
     error.copy_(torch.where(torch.isfinite(new), new, error))
 
 
+def _pay_out(tensor: Tensor, errors: list[Tensor | None]) -> None:
+    """World size 1: tensor += every error buffer (their first ``tensor.numel()`` elements), then
+    the buffers are zero. A run of one rank makes no error of its own; buffers it holds were
+    loaded from a larger run (the residual that run still owed), and adding them once keeps
+    ``result = mean + R_before - R_after`` exact (R_after = 0)."""
+    flat = tensor.view(-1)
+    for error in errors:
+        if error is None or error.numel() < flat.numel() or not bool(error.any()):
+            continue
+        flat.add_(error[: flat.numel()].to(flat.dtype))
+        error.zero_()
+
+
 def _stage(tensor: Tensor, worker_error: Tensor, layout: ChunkLayout) -> Tensor:
     """fp32 [world_size, padded_chunk]: tensor + worker_error cut into chunk rows, padding zero."""
     n, c, numel = layout.world_size, layout.chunk, layout.numel
@@ -281,6 +304,7 @@ def compressed_all_reduce(tensor: Tensor, worker_error: Tensor, server_error: Te
         raise ValueError(f"compressed_all_reduce: the layout is for {layout.world_size} ranks; the group has {size}")
     _check("compressed_all_reduce tensor", tensor, layout.numel, "layout.numel")
     if size == 1:
+        _pay_out(tensor, [worker_error, server_error])
         return tensor
     _check("worker_error", worker_error, layout.world_size * layout.chunk, "world_size * chunk", fp32=True)
     _check("server_error", server_error, layout.chunk, "chunk", fp32=True)
@@ -318,6 +342,7 @@ def compressed_reduce_scatter(tensor: Tensor, out: Tensor, worker_error: Tensor,
     if size == 1:
         out.view(-1)[: tensor.numel()].copy_(tensor.view(-1))
         out.view(-1)[tensor.numel():] = 0
+        _pay_out(out.view(-1)[: tensor.numel()], [worker_error])
         return out
     _check("worker_error", worker_error, layout.world_size * layout.chunk, "world_size * chunk", fp32=True)
     y = _worker_phase(tensor, worker_error, layout, group)
@@ -419,7 +444,8 @@ def reshard_error_feedback(states: list[dict], world_size: int) -> list[dict]:
 
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE", "ChunkLayout", "CompressedAllReduce", "CompressedReduceScatter", "chunk_layout",
+    "DEFAULT_BLOCK_SIZE", "ChunkLayout", "CompressedAllReduce", "CompressedReduceScatter", "all_gather_into",
+    "chunk_layout",
     "compress", "compressed_all_reduce", "compressed_reduce_scatter", "decompress", "flat_layout", "pack_signs",
     "reshard_error_feedback", "unpack_signs",
 ]

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch.distributed import checkpoint as dcp
 
-from tachyon.engine.onebit_hooks import error_feedback_state
+from tachyon.engine.onebit_hooks import error_feedback_state, stage_pending_errors
 
 from . import manifest as mf
 from .boxes import boxes_save_planner
@@ -111,6 +111,9 @@ def save_checkpoint(engine, save_dir, tag: Any = None, client_state: Any = None,
         raise mf.CheckpointError(error)
     tmp = Path(tmp_name)
 
+    # 1-bit optimizers: the layout-free pending compression error goes into the optimizer state,
+    # written and resharded like the moments (collective over the data-parallel group)
+    stage_pending_errors(engine.optimizer)
     meta = build_meta(engine, tag, world, gather(comm, local_tables(engine)))
     state = save_state_dict(engine, meta["optimizer"]["groups"])
     with mf.quiet_dcp():

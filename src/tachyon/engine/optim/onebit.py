@@ -56,7 +56,10 @@ compression error, is dropped once). `reshard_onebit_state_dicts` maps the error
 ranks onto another world size exactly (the residual they owe the average is kept). With ZeRO the
 per-bucket gradient error buffers of the engine's compressed reduce-scatter
 (``gradient_reducer``, `tachyon.engine.onebit_hooks.OneBitComm`) travel as
-``gradient_error_feedback``, restored on the same layout only.
+``gradient_error_feedback``, restored on the same layout only. Through the engine's checkpoint
+both kinds also travel as a layout-free pending error per parameter (`pending_errors`,
+`tachyon.engine.onebit_hooks.stage_pending_errors`), which rebuilds them exactly, in the sense
+of the residual the ranks owe, on any world size (docs/onebit.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -66,11 +69,17 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from tachyon.engine.optim._state import advance_adam_state, check_adam_hyperparameters, restore_fp32_states
 from tachyon.engine.optim.lamb import _check_segments
-from tachyon.parallel.compression import DEFAULT_BLOCK_SIZE, CompressedAllReduce, reshard_error_feedback
+from tachyon.parallel.compression import (
+    DEFAULT_BLOCK_SIZE,
+    CompressedAllReduce,
+    all_gather_into,
+    reshard_error_feedback,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -234,11 +243,16 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._compressor: CompressedAllReduce | None = None
         self._flat: tuple[Tensor, list[Tensor]] | None = None
         self._saved_errors: dict | None = None
+        self._saved_pending: list[Tensor | None] | None = None
         self.gradient_reducer = None
         """ZeRO-1/2: the engine's compressed gradient reduce-scatter
         (`tachyon.engine.onebit_hooks.OneBitGradientReducer`), whose error buffers travel in
         this optimizer's state dict as ``gradient_error_feedback``."""
         self._saved_gradient_errors: dict | None = None
+        self.replicated: tuple[object, list[Tensor | None]] | None = None
+        """Tensor parallelism: (TPGroup, per param group the master elements of parameters every
+        tensor-parallel rank holds whole), set by `tachyon.engine.onebit_hooks.bind_onebit_optimizer`;
+        see `_average_replicated`."""
 
     # ------------------------------------------------------------------ stage
     @property
@@ -320,6 +334,28 @@ class OneBitOptimizer(torch.optim.Optimizer):
                     state["exp_avg"].mul_(self._mask_for(mask, p))
         for group, kept in zip(self.param_groups, previous):
             self._compressed_group(group, self.plan(group), kept)
+        self._average_replicated()
+
+    def _average_replicated(self) -> None:
+        """Keep the replicated parameters equal on the tensor-parallel ranks. Their gradients are
+        equal there, but each rank compresses its own flat buffer, where they share scaling
+        blocks with its tensor-parallel shards, so the ranks' reconstructions of their momentum
+        differ. After each compressed step the replicated elements of the master and of the
+        momentum are averaged over the tensor-parallel group (one all-reduce of 2x their fp32
+        bytes): the same update as if every rank had applied the mean of the reconstructions."""
+        if self.replicated is None:
+            return
+        tp, indices = self.replicated
+        for group, idx in zip(self.param_groups, indices):
+            if idx is None:
+                continue
+            for p in group["params"]:
+                flat, momentum = p.data.view(-1), self.state[p]["exp_avg"].view(-1)
+                both = torch.cat([flat.index_select(0, idx).float(), momentum.index_select(0, idx)])
+                dist.all_reduce(both, group=tp.group)
+                both.div_(tp.size)
+                flat.index_copy_(0, idx, both[:idx.numel()].to(flat.dtype))
+                momentum.index_copy_(0, idx, both[idx.numel():])
 
     @staticmethod
     def _mask_for(mask: Tensor, p: Tensor) -> Tensor:
@@ -364,7 +400,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         if self._compressor is None:
             self._compressor = CompressedAllReduce(flat.numel(), group=self.group, block_size=self.block_size,
                                                    device=flat.device)
-            self._restore_errors()
+            self._restore_errors(scales)
         self._compressor(flat)
         for group, factors in zip(self.param_groups, scales):
             for p, f in zip(group["params"], factors):
@@ -388,12 +424,26 @@ class OneBitOptimizer(torch.optim.Optimizer):
         coeff = self.state[group["params"][0]]["scaling_coeff"]
         return [plan.expand(coeff, i, 1.0) for i in range(len(group["params"]))]
 
-    def _restore_errors(self) -> None:
+    def _restore_errors(self, scales: list[list[Tensor]]) -> None:
         saved, self._saved_errors = self._saved_errors, None
-        if saved is None:
+        pending, self._saved_pending = self._saved_pending, None
+        if saved is not None and self._compressor.matches(saved):
+            self._compressor.load_state_dict(saved)  # the same rank and layout: bit for bit
             return
-        if self._compressor.matches(saved):
-            self._compressor.load_state_dict(saved)
+        if pending is not None:
+            # another layout: every rank's worker error is the residual R (their mean is then
+            # R, exactly), the server errors zero; R goes back into the equalized units
+            flat_owed = []
+            for group, factors, owed in zip(self.param_groups, scales, pending):
+                for p, f, r in zip(group["params"], factors, owed):
+                    r = torch.zeros(p.shape, dtype=torch.float32, device=p.device) if r is None else r
+                    flat_owed.append((r.to(device=p.device, dtype=torch.float32) * f).reshape(-1))
+            n = self._compressor.layout.numel
+            self._compressor.worker_error.zero_()
+            self._compressor.server_error.zero_()
+            self._compressor.worker_error[:n].copy_(torch.cat(flat_owed))
+            return
+        if saved is None:
             return
         warnings.warn(
             f"{type(self).__name__}: the checkpoint's error-feedback buffers belong to rank {saved.get('rank')} of "
@@ -401,6 +451,57 @@ class OneBitOptimizer(torch.optim.Optimizer):
             f"{self._compressor.world_size} ({self._compressor.layout.numel} elements), so they restart from zero. "
             "To keep them, map the checkpoints with tachyon.engine.optim.reshard_onebit_state_dicts",
             stacklevel=3)
+
+    @torch.no_grad()
+    def pending_errors(self) -> list[list[Tensor]] | None:
+        """The momentum the ranks have taken from the exact average and not yet given back, per
+        group and parameter (fp32, shaped like the parameter, identical on every rank), or None
+        before the first compressed step. Collective over ``group`` (one fp32 all-reduce of the
+        worker errors and one all-gather of the server errors).
+
+        With R = mean_i worker_error_i + concat_j server_error_j, every compressed all-reduce
+        returns ``mean_i m_i + R_before - R_after`` (`tachyon.parallel.compression`): R alone,
+        not the individual buffers, is what the next steps will pay out, and it is a value per
+        element of the momentum, whatever the world size. It is returned divided by the
+        per-parameter equalization (``scaling_coeff``), i.e. in momentum units. Loaded and not yet
+        used (`load_pending_errors`), it is returned as loaded, without communicating."""
+        if not self.reduce_momentum:
+            return None
+        if self._compressor is None:
+            if self._saved_pending is None:
+                return None
+            return [[r.float().clone() if r is not None else torch.zeros(p.shape, device=p.device)
+                     for p, r in zip(group["params"], owed)]
+                    for group, owed in zip(self.param_groups, self._saved_pending)]
+        comp = self._compressor
+        n, numel = comp.world_size, comp.layout.numel
+        worker = comp.worker_error.clone()
+        server = comp.server_error
+        if n > 1:
+            dist.all_reduce(worker, group=self.group)
+            worker.div_(n)
+            gathered = torch.empty(n * server.numel(), dtype=server.dtype, device=server.device)
+            all_gather_into(gathered, server, self.group)
+            server = gathered
+        residual = worker[:numel].add_(server[:numel])
+        out, offset = [], 0
+        for group in self.param_groups:
+            owed = []
+            for p, f in zip(group["params"], self._scale_factors(group)):
+                owed.append(residual.narrow(0, offset, p.numel()).view(p.shape).div(f))
+                offset += p.numel()
+            out.append(owed)
+        return out
+
+    def load_pending_errors(self, pending: list[list[Tensor | None]] | None) -> None:
+        """Restore the momentum error from `pending_errors` saved by a run of any world size; it
+        takes effect at the next compressed step (unless a state of this same rank and layout
+        was loaded as well: that one is exact and wins)."""
+        self._compressor = None
+        if pending is not None and len(pending) != len(self.param_groups):
+            raise ValueError(f"{type(self).__name__}.load_pending_errors: {len(pending)} groups for "
+                             f"{len(self.param_groups)} param groups")
+        self._saved_pending = pending
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -433,6 +534,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._compressor = None
         self._plans.clear()
         self._saved_errors = state_dict.get("error_feedback")
+        self._saved_pending = None
         self._saved_gradient_errors = state_dict.get("gradient_error_feedback")
         if self.gradient_reducer is not None:
             self.gradient_reducer.load_state_dict(self._saved_gradient_errors)
