@@ -5,14 +5,14 @@ ranks, bytes on the wire, convergence close to uncompressed LAMB, checkpoint res
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
 from tachyon.config.optim import check_typed_section
 from tachyon.engine.optim import Lamb, OneBitLamb, build_optimizer
-from tests.engine.test_onebit_adam import check_gpt, check_scenario, gpt_rank_main, onebit_rank_main
+from tests.engine.test_onebit_adam import (
+    _grads, _params, check_gpt, check_scenario, gpt_rank_main, onebit_rank_main, round_trip_mid_compression,
+)
 from tests.utils import assert_close, run_distributed
 
 
@@ -37,17 +37,6 @@ def test_onebit_lamb_small_gpt_on_the_embedded_corpus():
 
 
 # ---------------------------------------------------------------------- single process
-def _params(seed: int = 0, dtype=torch.float32) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype)) for shape in ((5, 123), (7,), (3, 4))]
-
-
-def _grads(params, step: int) -> None:
-    gen = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
-
-
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 def test_warmup_is_lamb(weight_decay):
     ours, plain = _params(), _params()
@@ -167,26 +156,9 @@ def test_bad_arguments_are_refused(kwargs, message):
 
 
 def test_state_dict_round_trip_mid_compression():
-    params = _params(dtype=torch.bfloat16)
-    opt = OneBitLamb(params, lr=1e-2, freeze_step=2)
-    for step in range(4):
-        _grads(params, step)
-        opt.step()
-    buffer = io.BytesIO()
-    torch.save({"params": [p.detach().clone() for p in params], "optimizer": opt.state_dict()}, buffer)
-    for step in range(4, 7):
-        _grads(params, step)
-        opt.step()
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=False)
-    again = [torch.nn.Parameter(p) for p in saved["params"]]
-    resumed = OneBitLamb(again, lr=1e-2, freeze_step=2)
-    resumed.load_state_dict(saved["optimizer"])
+    again, params, resumed = round_trip_mid_compression(OneBitLamb, torch.bfloat16)
     state = resumed.state[again[0]]
     assert state["exp_avg_sq_fresh"].dtype == torch.float32 and state["lamb_coeff_freeze"].dtype == torch.float32
-    for step in range(4, 7):
-        _grads(again, step)
-        resumed.step()
     for a, b in zip(again, params):
         assert torch.equal(a, b)
 
