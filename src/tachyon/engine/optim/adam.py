@@ -22,6 +22,33 @@ from tachyon.engine.optim._state import advance_adam_state, check_adam_hyperpara
 from tachyon.kernels.adam import multi_tensor_adam
 
 
+def adam_group_step(state: dict, group: dict, *, adam_w_mode: bool, backend: str | None, owner: str) -> None:
+    """One fused Adam update of the parameters of ``group`` that have a gradient (one
+    multi-tensor launch per device); ``state``: the optimizer's per-parameter state."""
+    params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise ValueError(f"{owner}: sparse gradients are not supported")
+        entry = state[p]
+        steps.append(advance_adam_state(entry, p))
+        params.append(p)
+        grads.append(p.grad)
+        exp_avgs.append(entry["exp_avg"])
+        exp_avg_sqs.append(entry["exp_avg_sq"])
+    by_device: dict[torch.device, list[int]] = {}
+    for i, p in enumerate(params):
+        by_device.setdefault(p.device, []).append(i)
+    for idx in by_device.values():
+        multi_tensor_adam(
+            [params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
+            [exp_avg_sqs[i] for i in idx], [steps[i] for i in idx],
+            lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+            adam_w_mode=adam_w_mode, bias_correction=group["bias_correction"], backend=backend,
+        )
+
+
 class FusedAdam(torch.optim.Optimizer):
     """Adam/AdamW with a fused multi-tensor step. Params: fp32 (fp16/bf16 are updated in fp32 and
     rounded back; the states are always fp32); grads fp32, fp16 or bf16. No AMSGrad."""
@@ -47,29 +74,7 @@ class FusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("FusedAdam: sparse gradients are not supported")
-                state = self.state[p]
-                steps.append(advance_adam_state(state, p))
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-            by_device: dict[torch.device, list[int]] = {}
-            for i, p in enumerate(params):
-                by_device.setdefault(p.device, []).append(i)
-            for idx in by_device.values():
-                multi_tensor_adam(
-                    [params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-                    [exp_avg_sqs[i] for i in idx], [steps[i] for i in idx],
-                    lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                    weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"],
-                    bias_correction=group["bias_correction"], backend=self.backend,
-                )
+            adam_group_step(self.state, group, adam_w_mode=group["adam_w_mode"], backend=self.backend, owner="FusedAdam")
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -46,9 +46,8 @@ import torch
 from torch import Tensor
 
 from tachyon.backend import BACKENDS
-from tachyon.engine.optim._state import advance_adam_state
+from tachyon.engine.optim.adam import adam_group_step
 from tachyon.engine.optim.onebit import OneBitOptimizer, SegmentPlan, check_onebit_arguments
-from tachyon.kernels.adam import multi_tensor_adam
 from tachyon.parallel.compression import DEFAULT_BLOCK_SIZE
 
 
@@ -82,26 +81,7 @@ class OneBitAdam(OneBitOptimizer):
         return self.in_compression_stage
 
     def _warmup_group(self, group: dict, plan: SegmentPlan) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            steps.append(advance_adam_state(state, p))
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-        by_device: dict[torch.device, list[int]] = {}
-        for i, p in enumerate(params):
-            by_device.setdefault(p.device, []).append(i)
-        for idx in by_device.values():
-            multi_tensor_adam(
-                [params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-                [exp_avg_sqs[i] for i in idx], [steps[i] for i in idx],
-                lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                adam_w_mode=True, bias_correction=group["bias_correction"], backend=self.backend,
-            )
+        adam_group_step(self.state, group, adam_w_mode=True, backend=self.backend, owner=type(self).__name__)
 
     def _compressed_group(self, group: dict, plan: SegmentPlan, previous: list[Tensor]) -> None:
         beta1, beta2 = group["betas"]
