@@ -45,6 +45,24 @@ from tachyon.engine.optim._state import advance_adam_state, check_adam_hyperpara
 NormReducer = Callable[[Tensor], None]
 
 
+def segment_runs(rows: list[tuple[int, int, int]], numel: int, gap_slot: int) -> tuple[list[int], list[int]]:
+    """Run-length form of a flat tensor of ``numel`` elements whose rows (start, length,
+    segment id; sorted, disjoint) belong to segments: (slot per run, run lengths), the runs
+    covering the whole tensor, the gaps between and after rows in slot ``gap_slot``."""
+    slots, lengths, end = [], [], 0
+    for start, length, seg_id in rows:
+        if start > end:
+            slots.append(gap_slot)
+            lengths.append(start - end)
+        slots.append(seg_id)
+        lengths.append(length)
+        end = start + length
+    if end < numel:
+        slots.append(gap_slot)
+        lengths.append(numel - end)
+    return slots, lengths
+
+
 def _check_segments(segments: object, num_segments: object, numel: int) -> list[tuple[int, int, int]]:
     """The segments as (start, length, id) tuples sorted by start, or a ValueError naming the problem."""
     if not isinstance(segments, Tensor) or segments.dtype != torch.int64 or segments.dim() != 2 or segments.shape[1] != 3:
@@ -107,17 +125,7 @@ class Lamb(torch.optim.Optimizer):
             flat = group["params"][0]
             n = group.get("num_segments")
             rows = _check_segments(segments, n, flat.numel())
-            slots, lengths, end = [], [], 0
-            for start, length, seg_id in rows:
-                if start > end:
-                    slots.append(n)
-                    lengths.append(start - end)
-                slots.append(seg_id)
-                lengths.append(length)
-                end = start + length
-            if end < flat.numel():
-                slots.append(n)
-                lengths.append(flat.numel() - end)
+            slots, lengths = segment_runs(rows, flat.numel(), n)
             as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=flat.device)  # noqa: E731
             cached = (segments, rows, as_tensor([r[2] for r in rows]), as_tensor(slots), as_tensor(lengths))
             self._pieces_cache[id(group)] = cached

@@ -73,7 +73,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tachyon.engine.optim._state import advance_adam_state, check_adam_hyperparameters, restore_fp32_states
-from tachyon.engine.optim.lamb import _check_segments
+from tachyon.engine.optim.lamb import _check_segments, segment_runs
 from tachyon.parallel.compression import (
     DEFAULT_BLOCK_SIZE,
     CompressedAllReduce,
@@ -178,17 +178,7 @@ def _plan_for(group: dict) -> SegmentPlan:
         whole = list(range(n))
     runs = []
     for t, tensor_rows in zip(params, rows):
-        slots, lengths, end = [], [], 0
-        for start, length, seg in tensor_rows:
-            if start > end:
-                slots.append(n)
-                lengths.append(start - end)
-            slots.append(seg)
-            lengths.append(length)
-            end = start + length
-        if end < t.numel():
-            slots.append(n)
-            lengths.append(t.numel() - end)
+        slots, lengths = segment_runs(tensor_rows, t.numel(), n)
         runs.append((torch.tensor(slots, dtype=torch.int64, device=device),
                      torch.tensor(lengths, dtype=torch.int64, device=device)))
     ids = torch.tensor([seg for tensor_rows in rows for _, _, seg in tensor_rows], dtype=torch.int64, device=device)
