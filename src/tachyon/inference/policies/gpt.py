@@ -38,6 +38,27 @@ class _GPTPolicy(Policy):
         inner = getattr(self.config, "n_inner", None) or getattr(self.config, "intermediate_size", None)
         return inner or 4 * self.config.hidden_size
 
+    def _learned_positions(self, layers: list[DecoderLayerWeights]) -> DecoderWeights:
+        """The model's weights around ``layers``: embeddings with a learned position table (GPT-2, GPT-Neo)."""
+        t = self.transformer()
+        heads, kv_heads, head_dim = self.heads()
+        head, head_b = self.lm_head()
+        return DecoderWeights(heads, kv_heads, head_dim, embed=t.wte.weight.detach(), layers=layers,
+                              final_norm=layer_norm(t.ln_f), lm_head=head, lm_head_bias=head_b,
+                              pos_embed=t.wpe.weight.detach(), max_positions=t.wpe.weight.shape[0])
+
+
+def _layer(ln1: nn.Module, ln2: nn.Module | None, qkv: tuple, out: tuple, fc1: nn.Module, fc2: nn.Module, act: str,
+           softmax_scale: float, window: int | None = None) -> DecoderLayerWeights:
+    """One GPT-style layer's weights: norms (ln2 None: parallel attention and MLP), q/k/v as
+    ((q, qb), (k, kb), (v, vb)), the output projection (w, b) and the MLP's two linears."""
+    (q, qb), (k, kb), (v, vb) = qkv
+    (fc1_w, fc1_b), (fc2_w, fc2_b) = linear(fc1), linear(fc2)
+    return DecoderLayerWeights(
+        ln1=layer_norm(ln1), ln2=None if ln2 is None else layer_norm(ln2),
+        attn=AttentionWeights(q, k, v, out[0], qb, kb, vb, out[1]),
+        mlp=MLPWeights([fc1_w], [fc1_b], fc2_w, fc2_b, act), softmax_scale=softmax_scale, window=window)
+
 
 class GPT2Policy(_GPTPolicy):
     name = "GPT-2"
@@ -54,25 +75,15 @@ class GPT2Policy(_GPTPolicy):
 
     def extract(self) -> DecoderWeights:
         t = self.transformer()
-        heads, kv_heads, head_dim = self.heads()
         hidden = self.config.hidden_size
         act = self.activation(self.config.activation_function)
         layers = []
         for block in t.h:
             w, b = linear(block.attn.c_attn)
-            q, k, v = w.split(hidden, dim=0)
-            qb, kb, vb = b.split(hidden)
-            out, out_b = linear(block.attn.c_proj)
-            fc1, fc1_b = linear(block.mlp.c_fc)
-            fc2, fc2_b = linear(block.mlp.c_proj)
-            layers.append(DecoderLayerWeights(
-                ln1=layer_norm(block.ln_1), ln2=layer_norm(block.ln_2),
-                attn=AttentionWeights(q, k, v, out, qb, kb, vb, out_b),
-                mlp=MLPWeights([fc1], [fc1_b], fc2, fc2_b, act), softmax_scale=float(block.attn.scaling)))
-        head, head_b = self.lm_head()
-        return DecoderWeights(heads, kv_heads, head_dim, embed=t.wte.weight.detach(), layers=layers,
-                              final_norm=layer_norm(t.ln_f), lm_head=head, lm_head_bias=head_b,
-                              pos_embed=t.wpe.weight.detach(), max_positions=t.wpe.weight.shape[0])
+            qkv = tuple(zip(w.split(hidden, dim=0), b.split(hidden)))
+            layers.append(_layer(block.ln_1, block.ln_2, qkv, linear(block.attn.c_proj), block.mlp.c_fc,
+                                 block.mlp.c_proj, act, float(block.attn.scaling)))
+        return self._learned_positions(layers)
 
 
 class GPTNeoPolicy(_GPTPolicy):
@@ -91,27 +102,15 @@ class GPTNeoPolicy(_GPTPolicy):
 
     def extract(self) -> DecoderWeights:
         t = self.transformer()
-        heads, kv_heads, head_dim = self.heads()
         act = self.activation(self.config.activation_function)
         layers = []
         for index, block in enumerate(t.h):
             a = block.attn.attention
-            q, qb = linear(a.q_proj)
-            k, kb = linear(a.k_proj)
-            v, vb = linear(a.v_proj)
-            out, out_b = linear(a.out_proj)
-            fc1, fc1_b = linear(block.mlp.c_fc)
-            fc2, fc2_b = linear(block.mlp.c_proj)
             local = self.config.attention_layers[index] == "local"
-            layers.append(DecoderLayerWeights(
-                ln1=layer_norm(block.ln_1), ln2=layer_norm(block.ln_2),
-                attn=AttentionWeights(q, k, v, out, qb, kb, vb, out_b),
-                mlp=MLPWeights([fc1], [fc1_b], fc2, fc2_b, act), softmax_scale=1.0,
-                window=int(self.config.window_size) if local else None))
-        head, head_b = self.lm_head()
-        return DecoderWeights(heads, kv_heads, head_dim, embed=t.wte.weight.detach(), layers=layers,
-                              final_norm=layer_norm(t.ln_f), lm_head=head, lm_head_bias=head_b,
-                              pos_embed=t.wpe.weight.detach(), max_positions=t.wpe.weight.shape[0])
+            layers.append(_layer(block.ln_1, block.ln_2, (linear(a.q_proj), linear(a.k_proj), linear(a.v_proj)),
+                                 linear(a.out_proj), block.mlp.c_fc, block.mlp.c_proj, act, 1.0,
+                                 window=int(self.config.window_size) if local else None))
+        return self._learned_positions(layers)
 
 
 class GPTJPolicy(_GPTPolicy):
@@ -142,15 +141,8 @@ class GPTJPolicy(_GPTPolicy):
         layers = []
         for block in t.h:
             a = block.attn
-            q, qb = linear(a.q_proj)
-            k, kb = linear(a.k_proj)
-            v, vb = linear(a.v_proj)
-            out, out_b = linear(a.out_proj)
-            fc1, fc1_b = linear(block.mlp.fc_in)
-            fc2, fc2_b = linear(block.mlp.fc_out)
-            layers.append(DecoderLayerWeights(
-                ln1=layer_norm(block.ln_1), ln2=None, attn=AttentionWeights(q, k, v, out, qb, kb, vb, out_b),
-                mlp=MLPWeights([fc1], [fc1_b], fc2, fc2_b, act), softmax_scale=head_dim ** -0.5))
+            layers.append(_layer(block.ln_1, None, (linear(a.q_proj), linear(a.k_proj), linear(a.v_proj)),
+                                 linear(a.out_proj), block.mlp.fc_in, block.mlp.fc_out, act, head_dim ** -0.5))
         # the model's own table: [sin(f) | cos(f)] per position; GPT-J repeats each frequency twice
         sincos = t.rotary_emb.embed_positions.detach().float()
         sin, cos = sincos.chunk(2, dim=-1)
