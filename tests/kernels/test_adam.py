@@ -83,6 +83,28 @@ def test_flat_partition_equals_separate_tensors():
     assert torch.equal(flat[3], torch.cat([v.reshape(-1) for v in exp_avg_sqs]))
 
 
+@pytest.mark.parametrize("g_dtype", [torch.float32, torch.float16])
+def test_flat_partition_step_moves_exactly_its_minimum(g_dtype):
+    """One flat tensor (a ZeRO partition): one launch that reads param, grad and both moments and
+    writes param and both moments, and nothing else (no pointer table, no program map, no step
+    scalars in memory), counted. A list of tensors still reads its table (checked as more)."""
+    from tachyon.profiling import TrafficCounter
+
+    n = 3 * 4096 + 77  # three full chunks and a masked one
+    p, m, v = torch.randn(n), 0.1 * torch.randn(n), 0.01 * torch.rand(n)
+    g = torch.randn(n).to(g_dtype)
+    with TrafficCounter() as counter:
+        multi_tensor_adam([p], [g], [m], [v], [4], lr=1e-2, weight_decay=0.1, backend="triton")
+    f32, grad = 4 * n, g.element_size() * n
+    assert counter.total.launches == 1, counter.table()
+    assert counter.total.read == 3 * f32 + grad, counter.table()
+    assert counter.total.written == 3 * f32, counter.table()
+    halves = [t.split([n // 2, n - n // 2]) for t in (p, g, m, v)]
+    with TrafficCounter() as listed:
+        multi_tensor_adam(*map(list, halves), [4, 4], lr=1e-2, weight_decay=0.1, backend="triton")
+    assert listed.total.read > counter.total.read, "two tensors read their pointer table and program map"
+
+
 def test_unaligned_views_match_reference():
     """Views that start mid-allocation (not 16-byte aligned) take the kernel's unhinted path."""
     bases = [torch.randn(4101) for _ in range(4)]
@@ -150,13 +172,18 @@ for param, grad, adam_w, aligned in (("*bf16", "*bf16", True, True), ("*fp32", "
     types.update({n: "fp32" for n in scalars})
     compile_sm90(tri._adam_kernel, types, dict(ADAM_W_MODE=adam_w, ALIGNED=aligned, CHUNK=tri.CHUNK, BLOCK=tri.BLOCK),
                  num_warps=4)
+for param, grad, adam_w in (("*bf16", "*bf16", True), ("*fp32", "*fp32", False)):
+    types = {"p_ptr": param, "g_ptr": grad, "m_ptr": "*fp32", "v_ptr": "*fp32", "numel": "i64", "step_size": "fp32",
+             "bc2_sqrt": "fp32"}
+    types.update({n: "fp32" for n in scalars})
+    compile_sm90(tri._adam_flat_kernel, types, dict(ADAM_W_MODE=adam_w, CHUNK=tri.CHUNK, BLOCK=tri.BLOCK), num_warps=4)
 """
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter never runs Triton's compiler: build the multi-tensor kernel (TTIR -> PTX ->
     cubin with the bundled ptxas) for compute capability 9.0: bf16 and fp32 params with bf16/fp32
-    grads, AdamW and L2 Adam, aligned (vectorized) and not."""
+    grads, AdamW and L2 Adam, aligned (vectorized) and not; and the one-tensor kernel."""
     from tests.utils.aot import compile_in_subprocess
 
-    compile_in_subprocess(_AOT_SCRIPT, expected=3)
+    compile_in_subprocess(_AOT_SCRIPT, expected=5)

@@ -518,11 +518,11 @@ from tests.utils.aot import compile_sm90
 from tachyon.kernels.attention import triton as tri
 
 flags = dict(HEAD_DIM=80, IS_CAUSAL=True, HAS_BIAS=True, HAS_DROPOUT=True, BLOCK_D=128, DOT_PRECISION=None,
-             SEED_FROM_PTR=True)
-fp32 = {"LSE", "DELTA", "BIAS", "DQ_ACC"}
-# the dK/dV kernel twice: deterministic, and with dQ accumulated by fp32 atomics
+             SEED_FROM_PTR=True, HAS_QKV_BIAS=True)
+fp32 = {"LSE", "DELTA", "BIAS", "DQ_ACC", "DB_PART"}
+# the dK/dV kernel twice: deterministic, and with dQ accumulated by fp32 atomics; the one-kernel backward
 for kernel, atomic in ((tri._fwd_kernel, False), (tri._bwd_dkdv_kernel, False), (tri._bwd_dkdv_kernel, True),
-                       (tri._bwd_dq_kernel, False), (tri._bwd_delta_kernel, False)):
+                       (tri._bwd_dq_kernel, False), (tri._bwd_delta_kernel, False), (tri._bwd_one_kernel, False)):
     cfg = kernel.configs[0] if hasattr(kernel, "configs") else triton.Config({"BLOCK_M": 64})
     jit = kernel.fn if hasattr(kernel, "configs") else kernel
     consts = {k: v for k, v in {**flags, **cfg.kwargs, "ATOMIC_DQ": atomic}.items() if k in jit.arg_names}
@@ -537,8 +537,8 @@ for kernel, atomic in ((tri._fwd_kernel, False), (tri._bwd_dkdv_kernel, False), 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter never runs Triton's compiler: build the GPU path (TTIR -> PTX -> cubin with
-    the bundled ptxas) for an H100 target, bf16, every feature on (a tensor seed; the dK/dV kernel
-    with and without atomic dQ), the first autotune config."""
+    the bundled ptxas) for an H100 target, bf16, every feature on (a tensor seed, the QKV bias; the
+    dK/dV kernel with and without atomic dQ; the one-kernel backward), the first autotune config."""
     from tests.utils.aot import compile_in_subprocess
 
-    compile_in_subprocess(_AOT_SCRIPT, expected=5, timeout=600)
+    compile_in_subprocess(_AOT_SCRIPT, expected=6, timeout=600)

@@ -209,6 +209,8 @@ INTERPRETED_CASES = {
     # BERT-like post-LN, sbhd, padding: LayerNorm, gelu, biases, bias-dropout-add fused with the output norm
     "bert_sbhd_padding": (dict(output_layernorm=True, apply_residual_connection_post_layernorm=True,
                                self_attn_mask_type="padding"), (8, 2, 32)),
+    # GPT-like pre-LN, sbhd, causal: QKV bias inside the packed attention, residual adds fused into the norms
+    "gpt_sbhd": (dict(), (8, 2, 32)),
 }
 
 
@@ -228,7 +230,7 @@ def test_transformer_layer_triton_path_interpreted(name):
     kwargs = {}
     if cfg.get("attn_input_format") == "bshd":
         kwargs["rotary_pos_emb"] = RotaryPositionEmbedding(8)(8)
-    else:
+    elif cfg.get("self_attn_mask_type") == "padding":
         kwargs["attention_mask"] = padding_mask([8, 5], 8)
 
     def run(backend):
@@ -247,6 +249,42 @@ def test_transformer_layer_triton_path_interpreted(name):
         except AssertionError as exc:
             failures.append(str(exc))
     assert not failures, "\n".join(failures)
+
+
+class _ComposedLayer(TransformerLayer):
+    """Replaces _bda (as tensor parallelism's layer does): the layer runs its blocks as separate
+    calls (each module's own norm, unpacked attention, a seed drawn per dropout)."""
+
+    def _bda(self, x, bias, residual, scale=1.0):
+        return super()._bda(x, bias, residual, scale)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert_post_ln"])
+def test_fused_and_composed_paths_agree(name):
+    """The fused forward (norm2 inside the residual add, residual branches out of the norms,
+    packed attention with the QKV bias or RoPE inside) computes the composed forward's numbers,
+    forward and every gradient, within the fp32 table."""
+    cfg, mask_type, seq, rope_kind = LAYER_CASES[name]
+    fused = TransformerLayer(**cfg, hidden_dropout=0.0, attention_dropout=0.0)
+    _perturb_norms(fused)
+    composed = _ComposedLayer(**cfg, hidden_dropout=0.0, attention_dropout=0.0)
+    composed.load_state_dict(fused.state_dict())
+    assert fused._fusable() and not composed._fusable()
+    fmt = cfg.get("attn_input_format", "sbhd")
+    x = torch.randn(*((seq, 2) if fmt == "sbhd" else (2, seq)), cfg["hidden_size"])
+    kwargs = {"self_attn_mask_type": mask_type}
+    if mask_type.startswith("padding"):
+        kwargs["attention_mask"] = padding_mask([seq, seq - 5], seq)
+    if rope_kind:
+        kwargs["rotary_pos_emb"] = RotaryPositionEmbedding(cfg["hidden_size"] // cfg["num_attention_heads"])(seq)
+    results = []
+    for layer in (fused, composed):
+        xx = x.clone().requires_grad_()
+        y = layer(xx, **kwargs)
+        results.append([y, *torch.autograd.grad(y.square().sum(), [xx, *layer.parameters()])])
+    names = ["out", "d_input", *[n for n, _ in fused.named_parameters()]]
+    for param_name, got, want in zip(names, *results):
+        assert_close(got, want, name=f"fused vs composed: {param_name}")
 
 
 def test_transformer_layer_compiles_fullgraph():

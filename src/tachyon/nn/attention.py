@@ -24,8 +24,16 @@ Mask types (``attn_mask_type``, TE's names):
 is silently ignored).
 
 Dropout on the attention probabilities draws a fresh Philox seed per call (a 0-dim tensor from the
-data device's default generator, ``torch.randint``), so ``torch.manual_seed`` reproduces a run
-exactly; the mask is regenerated in backward, never stored.
+data device's default generator, ``torch.randint``), unless the caller passes one
+(``dropout_seed=``, as TransformerLayer does from its one draw per forward), so
+``torch.manual_seed`` reproduces a run exactly; the mask is regenerated in backward, never stored.
+
+Self-attention runs on the packed output of the QKV GEMM (:meth:`DotProductAttention.forward_packed`,
+:func:`tachyon.kernels.attention.attention_qkvpacked`): the QKV bias is added by the attention
+kernels (the GEMM runs without it) and its gradient summed by them; with RoPE the GEMM keeps its
+bias and the op rotates q and k; the gradient comes back as one packed tensor, in one backward
+kernel (``one_kernel_backward``). TE's separate (query, key) angle tables and cross-attention
+split q, k, v instead.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from tachyon.kernels.attention import attention
+from tachyon.kernels.attention import attention, attention_qkvpacked
 from tachyon.kernels.rope import apply_rotary
 from tachyon.nn.layernorm_linear import LayerNormLinear, check_normalization
 from tachyon.nn.linear import Linear, check_features
@@ -56,6 +64,12 @@ def draw_seed(device: torch.device | str) -> Tensor:
     device's default generator (so torch.manual_seed reproduces it). It stays on the device: no
     host synchronization, and torch.compile traces it without a graph break or a recompile."""
     return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
+
+
+def own_forward(module: nn.Module, cls: type) -> bool:
+    """True when ``module`` runs ``cls``'s own forward, not a subclass's replacement (tensor
+    parallelism's wrappers in tachyon.parallel.tensor), so it takes cls's keyword arguments."""
+    return type(module).forward is cls.forward
 
 
 def check_dropout(module: str, name: str, value: object) -> float:
@@ -113,6 +127,8 @@ class DotProductAttention(nn.Module):
     docstring; overridable per call). qkv_format: "sbhd" ([seq, batch, heads, d]) or "bshd".
     softmax_scale: default 1 / sqrt(d). layer_number: kept for TE compatibility (not used).
     backend: pins the attention kernel's backend ("triton" / "torch"; default the global choice).
+    one_kernel_backward (default True): the Triton backward runs as one launch instead of two
+    (same gradients bit for bit; see :func:`tachyon.kernels.attention.attention`).
 
     forward(query_layer, key_layer, value_layer, attention_mask=None, attn_mask_type=None):
     query [s, b, h, d] / [b, s, h, d], key and value with g heads (any strides with a unit stride
@@ -132,6 +148,7 @@ class DotProductAttention(nn.Module):
         softmax_scale: float | None = None,
         layer_number: int | None = None,
         *,
+        one_kernel_backward: bool = True,
         backend: str | None = None,
     ) -> None:
         super().__init__()
@@ -151,6 +168,9 @@ class DotProductAttention(nn.Module):
             raise ValueError(f"{name}: softmax_scale must be a finite float or None (1/sqrt(kv_channels)); got {softmax_scale!r}")
         self.softmax_scale = softmax_scale
         self.layer_number = layer_number
+        if not isinstance(one_kernel_backward, bool):
+            raise ValueError(f"{name}: one_kernel_backward must be True or False; got {one_kernel_backward!r}")
+        self.one_kernel_backward = one_kernel_backward
         self.backend = backend
 
     def _to_bhsd(self, name: str, t: object, heads: int) -> Tensor:
@@ -163,12 +183,35 @@ class DotProductAttention(nn.Module):
             )
         return t.permute(1, 2, 0, 3) if self.qkv_format == "sbhd" else t.permute(0, 2, 1, 3)
 
-    def forward(
-        self, query_layer: Tensor, key_layer: Tensor, value_layer: Tensor,
-        attention_mask: Tensor | tuple[Tensor, Tensor] | None = None, attn_mask_type: str | None = None,
-    ) -> Tensor:
+    def _mask_args(self, attention_mask: object, attn_mask_type: str | None, batch: int, seq_q: int, seq_k: int,
+                   device: torch.device) -> tuple[bool, Tensor | None, Tensor | None]:
+        """(causal, key padding bias fp32 [b, seq_k] or None, query masked [b, seq_q] or None)."""
         mask_type = self.attn_mask_type if attn_mask_type is None else check_choice(
             "DotProductAttention", "attn_mask_type", attn_mask_type, ATTN_MASK_TYPES)
+        bias = q_masked = None
+        if mask_type.startswith("padding"):
+            if attention_mask is None:
+                raise ValueError(f"DotProductAttention: attn_mask_type={mask_type!r} needs attention_mask (bool, True = masked out)")
+            q_masked, k_masked = padding_masks(attention_mask, batch, seq_q, seq_k)
+            bias = torch.zeros(k_masked.shape, dtype=torch.float32, device=device).masked_fill(k_masked, float("-inf"))
+        elif attention_mask is not None:
+            raise ValueError(
+                f"DotProductAttention: attention_mask is only used with attn_mask_type 'padding' or 'padding_causal'; "
+                f"got a mask with attn_mask_type={mask_type!r}"
+            )
+        return mask_type in ("causal", "padding_causal"), bias, q_masked
+
+    def _seed(self, dropout_seed: Tensor | int | None, device: torch.device) -> tuple[float, Tensor | int | None]:
+        p = self.attention_dropout if self.training else 0.0
+        if p == 0:
+            return 0.0, None
+        return p, draw_seed(device) if dropout_seed is None else dropout_seed
+
+    def forward(
+        self, query_layer: Tensor, key_layer: Tensor, value_layer: Tensor,
+        attention_mask: Tensor | tuple[Tensor, Tensor] | None = None, attn_mask_type: str | None = None, *,
+        dropout_seed: Tensor | int | None = None,
+    ) -> Tensor:
         q = self._to_bhsd("query_layer", query_layer, self.num_attention_heads)
         k = self._to_bhsd("key_layer", key_layer, self.num_gqa_groups)
         v = self._to_bhsd("value_layer", value_layer, self.num_gqa_groups)
@@ -179,28 +222,50 @@ class DotProductAttention(nn.Module):
                 f"DotProductAttention: key_layer {tuple(key_layer.shape)} and value_layer {tuple(value_layer.shape)} "
                 f"must have one shape with query_layer's batch ({tuple(query_layer.shape)}, {self.qkv_format})"
             )
-        bias = q_masked = None
-        if mask_type.startswith("padding"):
-            if attention_mask is None:
-                raise ValueError(f"DotProductAttention: attn_mask_type={mask_type!r} needs attention_mask (bool, True = masked out)")
-            q_masked, k_masked = padding_masks(attention_mask, batch, seq_q, seq_k)
-            bias = torch.zeros(k_masked.shape, dtype=torch.float32, device=q.device).masked_fill(k_masked, float("-inf"))
-        elif attention_mask is not None:
-            raise ValueError(
-                f"DotProductAttention: attention_mask is only used with attn_mask_type 'padding' or 'padding_causal'; "
-                f"got a mask with attn_mask_type={mask_type!r}"
-            )
-        p = self.attention_dropout if self.training else 0.0
-        out = attention(
-            q, k, v, causal=mask_type in ("causal", "padding_causal"), key_padding_bias=bias, dropout_p=p,
-            seed=draw_seed(q.device) if p > 0 else None, softmax_scale=self.softmax_scale, backend=self.backend,
-        )
+        causal, bias, q_masked = self._mask_args(attention_mask, attn_mask_type, batch, seq_q, seq_k, q.device)
+        p, seed = self._seed(dropout_seed, q.device)
+        out = attention(q, k, v, causal=causal, key_padding_bias=bias, dropout_p=p, seed=seed,
+                        softmax_scale=self.softmax_scale, one_kernel_backward=self.one_kernel_backward,
+                        backend=self.backend)
         if q_masked is not None:
             out = out.masked_fill(q_masked[:, None, :, None], 0.0)
         hidden = self.num_attention_heads * self.kv_channels
         if self.qkv_format == "sbhd":
             return out.permute(2, 0, 1, 3).reshape(seq_q, batch, hidden)
         return out.transpose(1, 2).reshape(batch, seq_q, hidden)
+
+    def forward_packed(
+        self, qkv: Tensor, qkv_bias: Tensor | None = None, attention_mask: Tensor | tuple[Tensor, Tensor] | None = None,
+        attn_mask_type: str | None = None, *, dropout_seed: Tensor | int | None = None, rotary_cos: Tensor | None = None,
+        rotary_sin: Tensor | None = None, rotary_interleaved: bool = False,
+    ) -> Tensor:
+        """Self-attention on the packed output of one QKV GEMM (:func:`attention_qkvpacked`).
+
+        qkv: [s, b, (h + 2 g) d] (sbhd) / [b, s, (h + 2 g) d] (bshd), laid out [Q heads | K heads |
+        V heads]; qkv_bias: None or [(h + 2 g) d], the GEMM's bias (the GEMM then runs without it:
+        the kernels add it as they load q, k, v and sum its gradient). Returns the context
+        [s, b, h d] / [b, s, h d] as :meth:`forward`; the gradient flows back to qkv as one packed
+        tensor (no concatenation of dq, dk, dv, no separate bias-gradient reduction). rotary_cos,
+        rotary_sin: RoPE tables fp32 [seq, rotary_dim] (tachyon.nn.rope), applied to q and k inside
+        the op (then qkv_bias must be None)."""
+        width = (self.num_attention_heads + 2 * self.num_gqa_groups) * self.kv_channels
+        if not isinstance(qkv, Tensor) or qkv.dim() != 3 or qkv.shape[-1] != width:
+            got = tuple(qkv.shape) if isinstance(qkv, Tensor) else type(qkv).__name__
+            raise ValueError(f"DotProductAttention: packed qkv must be 3-d with last dim (heads + 2 * kv_heads) * "
+                             f"kv_channels = {width} ({self.qkv_format}); got {got}")
+        sbhd = self.qkv_format == "sbhd"
+        seq, batch = (qkv.shape[0], qkv.shape[1]) if sbhd else (qkv.shape[1], qkv.shape[0])
+        causal, bias, q_masked = self._mask_args(attention_mask, attn_mask_type, batch, seq, seq, qkv.device)
+        p, seed = self._seed(dropout_seed, qkv.device)
+        out = attention_qkvpacked(
+            qkv, self.num_attention_heads, self.num_gqa_groups, qkv_bias=qkv_bias, qkv_format=self.qkv_format,
+            causal=causal, key_padding_bias=bias, dropout_p=p, seed=seed, softmax_scale=self.softmax_scale,
+            one_kernel_backward=self.one_kernel_backward, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            rotary_interleaved=rotary_interleaved, backend=self.backend,
+        )
+        if q_masked is not None:
+            out = out.masked_fill((q_masked.t() if sbhd else q_masked)[:, :, None], 0.0)
+        return out
 
     def extra_repr(self) -> str:
         return (f"num_attention_heads={self.num_attention_heads}, kv_channels={self.kv_channels}, "
@@ -239,8 +304,11 @@ class MultiheadAttention(nn.Module):
     order). rotary_pos_emb: see tachyon.nn.rope. Cross-attention padding masks are (query mask, key mask) tuples.
     is_first_microbatch: passed to every projection GEMM (QKV / query, key_value, proj): the FP8
     weight cache across gradient-accumulation micro-batches, as in :class:`tachyon.nn.Linear`.
-    Saved for backward: what LayerNormLinear, the RoPE kernel (cos/sin only), the attention
-    kernel and Linear save.
+    Keyword-only: dropout_seed (the attention dropout's seed, else drawn here); return_input_branch
+    (needs input_layernorm): also return hidden_states as a view, last, for a caller that adds it
+    to a residual branch (its gradient is then summed by the input norm's backward kernel).
+    Saved for backward: what LayerNormLinear, the attention op (packed qkv, with RoPE also the
+    rotated q and k, and cos/sin) and Linear save.
     """
 
     def __init__(
@@ -314,6 +382,14 @@ class MultiheadAttention(nn.Module):
             params_dtype=params_dtype, device=device, return_bias=self.return_bias,
         )
 
+    def fused_calls_supported(self) -> bool:
+        """Whether the input projection and the core attention run tachyon.nn's own forwards, which
+        the packed path (DotProductAttention.forward_packed, return_bias / return_input_branch of
+        the projection) needs; otherwise (tensor-parallel wrappers) the unpacked path runs."""
+        proj = getattr(self, self._input_proj)
+        return own_forward(self.core_attention, DotProductAttention) and own_forward(
+            proj, LayerNormLinear if self.input_layernorm else Linear)
+
     def _rope(self, q: Tensor, k: Tensor, rotary_pos_emb: object) -> tuple[Tensor, Tensor]:
         sbhd = self.qkv_format == "sbhd"
         qb, kb = (q.transpose(0, 1), k.transpose(0, 1)) if sbhd else (q, k)
@@ -333,7 +409,8 @@ class MultiheadAttention(nn.Module):
     def forward(
         self, hidden_states: Tensor, attention_mask: Tensor | tuple[Tensor, Tensor] | None = None,
         encoder_output: Tensor | None = None, attn_mask_type: str | None = None, rotary_pos_emb: object = None,
-        is_first_microbatch: bool | None = None,
+        is_first_microbatch: bool | None = None, *, dropout_seed: Tensor | int | None = None,
+        return_input_branch: bool = False,
     ):
         self._check_input("hidden_states", hidden_states)
         cross = self.attention_type == "cross"
@@ -343,24 +420,54 @@ class MultiheadAttention(nn.Module):
                 raise ValueError("MultiheadAttention: rotary_pos_emb is not supported for cross-attention")
         elif encoder_output is not None:
             raise ValueError("MultiheadAttention: encoder_output is only used with attention_type='cross'")
-        ln_out = None
-        proj_in = getattr(self, self._input_proj)(hidden_states, is_first_microbatch)
-        if self.return_layernorm_output:
-            proj_in, ln_out = proj_in
+        fused = self.fused_calls_supported()
+        if return_input_branch and not (self.input_layernorm and fused):
+            raise ValueError("MultiheadAttention: return_input_branch=True needs input_layernorm=True and the "
+                             "module's own LayerNormLinear forward")
+        # self-attention runs on the packed QKV GEMM output (DotProductAttention.forward_packed): the
+        # QKV bias is added by the attention kernels, or, with RoPE, by the GEMM and q and k are
+        # rotated inside the op; TE's separate (query, key) angles take the unpacked path
+        tables = None
+        if not cross and rotary_pos_emb is not None:
+            seq = hidden_states.shape[0 if self.qkv_format == "sbhd" else 1]
+            q_tab, k_tab = rotary_tables(rotary_pos_emb, seq)
+            tables = q_tab if k_tab is q_tab else None
+        packed = fused and not cross and (rotary_pos_emb is None or tables is not None)
+        fold_bias = packed and tables is None
+        kw = {"return_input_branch": True} if return_input_branch else {}
+        if fold_bias:
+            kw["return_bias"] = True
+        outs = getattr(self, self._input_proj)(hidden_states, is_first_microbatch, **kw)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        proj_in, qkv_bias = (outs[0], outs[1]) if fold_bias else (outs[0], None)
+        rest = outs[2:] if fold_bias else outs[1:]
+        ln_out = rest[0] if self.return_layernorm_output else None
+        x_branch = rest[-1] if return_input_branch else None
         h, g = self.num_attention_heads, self.num_gqa_groups
-        if cross:
-            q = proj_in.view(*proj_in.shape[:-1], h, self.kv_channels)
-            kv = self.key_value(encoder_output, is_first_microbatch)
-            k, v = kv.view(*kv.shape[:-1], 2 * g, self.kv_channels).split([g, g], dim=-2)
+        if packed:
+            rope = {}
+            if tables is not None:
+                rope = {"rotary_cos": tables.cos.to(proj_in.device), "rotary_sin": tables.sin.to(proj_in.device),
+                        "rotary_interleaved": self.rotary_pos_interleaved}
+            context = self.core_attention.forward_packed(proj_in, qkv_bias, attention_mask, attn_mask_type,
+                                                         dropout_seed=dropout_seed, **rope)
         else:
-            q, k, v = proj_in.view(*proj_in.shape[:-1], h + 2 * g, self.kv_channels).split([h, g, g], dim=-2)
-        if rotary_pos_emb is not None:
-            q, k = self._rope(q, k, rotary_pos_emb)
-        context = self.core_attention(q, k, v, attention_mask, attn_mask_type)
+            if cross:
+                q = proj_in.view(*proj_in.shape[:-1], h, self.kv_channels)
+                kv = self.key_value(encoder_output, is_first_microbatch)
+                k, v = kv.view(*kv.shape[:-1], 2 * g, self.kv_channels).split([g, g], dim=-2)
+            else:
+                q, k, v = proj_in.view(*proj_in.shape[:-1], h + 2 * g, self.kv_channels).split([h, g, g], dim=-2)
+            if rotary_pos_emb is not None:
+                q, k = self._rope(q, k, rotary_pos_emb)
+            seed_kw = {"dropout_seed": dropout_seed} if dropout_seed is not None else {}
+            context = self.core_attention(q, k, v, attention_mask, attn_mask_type, **seed_kw)
         out = self.proj(context, is_first_microbatch)
         result = out if isinstance(out, tuple) else (out,)
         if ln_out is not None:
             result = (*result, ln_out)
+        if x_branch is not None:
+            result = (*result, x_branch)
         return result if len(result) > 1 else result[0]
 
     def extra_repr(self) -> str:
@@ -368,4 +475,4 @@ class MultiheadAttention(nn.Module):
                 f"input_layernorm={self.input_layernorm}, return_bias={self.return_bias}")
 
 
-__all__ = ["ATTN_MASK_TYPES", "DotProductAttention", "MultiheadAttention", "draw_seed", "te_default_init"]
+__all__ = ["ATTN_MASK_TYPES", "DotProductAttention", "MultiheadAttention", "draw_seed", "own_forward", "te_default_init"]

@@ -46,14 +46,16 @@ def norm_weight(gamma: Tensor, zero_centered_gamma: bool, dtype: torch.dtype) ->
     return gamma.float() + 1.0 if zero_centered_gamma else gamma.to(dtype)
 
 
-def apply_norm(module: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
+def apply_norm(module: nn.Module, x: Tensor, dtype: torch.dtype, return_input_branch: bool = False):
     """The module's norm over the last dim of x (in ``dtype``); weight 1 + gamma when zero-centered
-    (:func:`norm_weight`)."""
+    (:func:`norm_weight`). ``return_input_branch``: returns (y, x as a view) for a caller that also
+    adds x to a residual branch; x's two gradients are then summed by the norm's backward kernel
+    (``return_residual=True`` of the norm ops), not by a separate add."""
     weight = norm_weight(module.layer_norm_weight, module.zero_centered_gamma, dtype)
     if module.normalization == "RMSNorm":
-        return rms_norm(x, weight, eps=module.eps, backend=module.backend)
+        return rms_norm(x, weight, eps=module.eps, return_residual=return_input_branch, backend=module.backend)
     bias = module.layer_norm_bias.to(dtype)
-    return layer_norm(x, weight, bias, eps=module.eps, backend=module.backend)
+    return layer_norm(x, weight, bias, eps=module.eps, return_residual=return_input_branch, backend=module.backend)
 
 
 class LayerNormLinear(FP8ModuleMixin, nn.Module):
@@ -66,9 +68,12 @@ class LayerNormLinear(FP8ModuleMixin, nn.Module):
     device: of the parameters. zero_centered_gamma: store gamma - 1. return_bias: return the bias
     instead of adding it. backend: pins the norm kernel's backend ("triton" / "torch").
 
-    forward(x, is_first_microbatch=None): x [..., in_features] -> out [..., out_features] in the
-    params dtype (or torch.autocast's); returns out, (out, bias), (out, ln_out) or
-    (out, bias, ln_out) (TE's order). is_first_microbatch: the FP8 weight cache across
+    forward(x, is_first_microbatch=None, *, return_bias=None, return_input_branch=False):
+    x [..., in_features] -> out [..., out_features] in the params dtype (or torch.autocast's);
+    returns out, (out, bias), (out, ln_out) or (out, bias, ln_out) (TE's order).
+    ``return_bias`` overrides the module's setting for one call. ``return_input_branch`` appends
+    x (in the compute dtype, as a view) for a caller that adds it to a residual branch: the
+    norm's backward kernel then adds that branch's gradient to x's (no separate add). is_first_microbatch: the FP8 weight cache across
     gradient-accumulation micro-batches, as in :class:`tachyon.nn.Linear` (None: no caching;
     True: cast and cache; False: reuse the cache). Saved for backward: the norm's input and fp32
     row statistics, and the GEMM's input (ln_out, or its FP8 copy inside fp8_autocast) and
@@ -106,14 +111,20 @@ class LayerNormLinear(FP8ModuleMixin, nn.Module):
         register_bias(self, "bias", out_features, bias, dtype, device)
         self._init_fp8_scaling("gemm")
 
-    def forward(self, x: Tensor, is_first_microbatch: bool | None = None):
+    def forward(self, x: Tensor, is_first_microbatch: bool | None = None, *, return_bias: bool | None = None,
+                return_input_branch: bool = False):
         check_input("LayerNormLinear", x, self.in_features)
+        return_bias = self.return_bias if return_bias is None else return_bias
         dtype = compute_dtype(self.weight, x)
-        ln_out = apply_norm(self, x.to(dtype), dtype)
+        ln_out = apply_norm(self, x.to(dtype), dtype, return_input_branch)
+        ln_out, x_branch = ln_out if return_input_branch else (ln_out, None)
         bias = self.bias.to(dtype) if self.bias is not None else None
-        out = fp8_linear(ln_out, self.weight.to(dtype), None if self.return_bias else bias, self.fp8_scaling["gemm"],
+        out = fp8_linear(ln_out, self.weight.to(dtype), None if return_bias else bias, self.fp8_scaling["gemm"],
                          is_first_microbatch=is_first_microbatch)
-        return te_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
+        result = te_outputs(out, bias, ln_out, return_bias, self.return_layernorm_output)
+        if not return_input_branch:
+            return result
+        return (*(result if isinstance(result, tuple) else (result,)), x_branch)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "

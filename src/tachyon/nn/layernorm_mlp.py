@@ -64,8 +64,11 @@ class LayerNormMLP(FP8ModuleMixin, nn.Module):
     biases start at zero). params_dtype, device: of the parameters. return_bias: return fc2_bias
     instead of adding it. backend: pins the norm and activation kernels' backend.
 
-    forward(x, is_first_microbatch=None): x [..., hidden] -> y [..., hidden] in the params dtype
-    (or torch.autocast's); returns y, (y, fc2_bias), (y, ln_out) or (y, fc2_bias, ln_out).
+    forward(x, is_first_microbatch=None, *, input_is_normalized=False): x [..., hidden] -> y
+    [..., hidden] in the params dtype (or torch.autocast's); returns y, (y, fc2_bias), (y, ln_out)
+    or (y, fc2_bias, ln_out). ``input_is_normalized``: x is already this module's norm output
+    (the caller computed it with the module's norm parameters, fused with an op before it), so
+    the norm is skipped and ln_out is x.
     is_first_microbatch: the FP8 weight cache of fc1 and fc2 across gradient-accumulation
     micro-batches, as in :class:`tachyon.nn.Linear`. Saved for backward: the norm's
     input and statistics, ln_out (or its FP8 copy), fc1's output (the activation's input: its
@@ -112,10 +115,12 @@ class LayerNormMLP(FP8ModuleMixin, nn.Module):
         register_bias(self, "fc2_bias", hidden_size, bias, dtype, device)
         self._init_fp8_scaling("fc1", "fc2")
 
-    def forward(self, x: Tensor, is_first_microbatch: bool | None = None):
+    def forward(self, x: Tensor, is_first_microbatch: bool | None = None, *, input_is_normalized: bool = False):
         check_input("LayerNormMLP", x, self.hidden_size)
         dtype = compute_dtype(self.fc1_weight, x)
-        ln_out = apply_norm(self, x.to(dtype), dtype)
+        # input_is_normalized: the caller ran this module's norm itself (fused with the residual
+        # add before it, e.g. bias_dropout_add_layer_norm in TransformerLayer)
+        ln_out = x.to(dtype) if input_is_normalized else apply_norm(self, x.to(dtype), dtype)
         h = fp8_linear(ln_out, self.fc1_weight.to(dtype), None, self.fp8_scaling["fc1"],
                        is_first_microbatch=is_first_microbatch)
         fc1_bias = self.fc1_bias.to(dtype) if self.fc1_bias is not None else None

@@ -82,8 +82,9 @@ class Linear(FP8ModuleMixin, nn.Module):
     return_bias: forward returns (y without bias, bias) so the caller can fuse the add (bias is
     None when ``bias=False``).
 
-    forward(x, is_first_microbatch=None): x [..., in_features] (cast to the params dtype, or
-    torch.autocast's dtype) -> y [..., out_features] in that dtype. is_first_microbatch (TE's
+    forward(x, is_first_microbatch=None, *, return_bias=None): x [..., in_features] (cast to the
+    params dtype, or torch.autocast's dtype) -> y [..., out_features] in that dtype
+    (``return_bias`` overrides the module's setting for one call). is_first_microbatch (TE's
     FP8 weight cache for gradient accumulation; no effect outside an enabled fp8_autocast): None
     casts the weight to FP8 on every call; True casts it and caches the FP8 weight on the module;
     False reuses that cache (no weight cast, no weight amax recorded). Saved for backward: x and
@@ -109,14 +110,15 @@ class Linear(FP8ModuleMixin, nn.Module):
         register_bias(self, "bias", out_features, bias, dtype, device)
         self._init_fp8_scaling("gemm")
 
-    def forward(self, x: Tensor, is_first_microbatch: bool | None = None):
+    def forward(self, x: Tensor, is_first_microbatch: bool | None = None, *, return_bias: bool | None = None):
         check_input("Linear", x, self.in_features)
+        return_bias = self.return_bias if return_bias is None else return_bias
         dtype = compute_dtype(self.weight, x)
         weight = self.weight.to(dtype)
         bias = self.bias.to(dtype) if self.bias is not None else None
-        y = fp8_linear(x.to(dtype), weight, None if self.return_bias else bias, self.fp8_scaling["gemm"],
+        y = fp8_linear(x.to(dtype), weight, None if return_bias else bias, self.fp8_scaling["gemm"],
                        is_first_microbatch=is_first_microbatch)
-        return te_outputs(y, bias, None, self.return_bias, False)
+        return te_outputs(y, bias, None, return_bias, False)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}"

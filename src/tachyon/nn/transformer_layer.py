@@ -14,6 +14,23 @@ Structure (pre-LN, the default; TE's order of operations):
     m, m_bias = LayerNormMLP(h)                 norm -> fc1 -> bias + activation (fused) -> fc2
     y = h + dropout(m + m_bias)                 fused again
 
+How it runs (one forward + backward: 28 launches for GPT-2's configuration, 25 for Llama's;
+tests/profiling/test_traffic_layers.py lists them):
+
+- norm1 returns x as a residual branch (``return_input_branch``): x's two gradients are summed
+  by the norm's backward kernel, not by an add.
+- The QKV GEMM runs without its bias and the packed attention op (``attention_qkvpacked``) adds
+  it as it loads q, k, v and sums its gradient; with RoPE (and the bias in the GEMM) the op
+  rotates q and k itself. Its backward writes dq, dk, dv into one packed gradient (no
+  concatenation) in one kernel (``one_kernel_backward``).
+- h = x + dropout(a + a_bias) and the MLP's norm are one kernel each way
+  (``bias_dropout_add_layer_norm``, returning h and norm(h)); LayerNormMLP then skips its norm.
+- The dropout seeds of one forward (attention probabilities, both hidden dropouts; and the
+  cross-attention's in a decoder) are one ``torch.randint`` draw on the data's device.
+- A subclass that replaces ``_bda`` / ``_bda_norm`` or the submodules' forwards (tensor
+  parallelism's wrappers) gets the same math as separate calls: each module's own norm,
+  unpacked attention, one seed draw per dropout.
+
 - ``apply_residual_connection_post_layernorm``: the residuals are the norms' outputs instead of
   their inputs.
 - ``output_layernorm=True`` (post-LN, BERT): the attention block gets no input norm and the last
@@ -23,9 +40,9 @@ Structure (pre-LN, the default; TE's order of operations):
 - ``layer_type="decoder"`` (T5-style) adds a cross-attention block after self-attention:
   i, i_bias = inter_attention(h, encoder_output); h = h + dropout(i + i_bias) (residual from its
   norm's output with apply_residual_connection_post_layernorm), before the MLP.
-- Dropout seeds (attention, the hidden dropouts) are drawn per call as 0-dim tensors from the
-  data device's default generator, so torch.manual_seed reproduces runs and torch.compile traces
-  them (no graph break, no recompile); masks are regenerated in backward.
+- Dropout seeds (attention, the hidden dropouts) are drawn per call as 0-dim tensors (views of
+  one draw) from the data device's default generator, so torch.manual_seed reproduces runs and
+  torch.compile traces them (no graph break, no recompile); masks are regenerated in backward.
 - The GEMMs are LayerNormLinear / Linear / LayerNormMLP, so ``tachyon.fp8_autocast`` runs them in FP8.
 - Progressive layer drop (DeepSpeed's ``progressive_layer_drop=True, pld_theta=...`` forward
   arguments, pre-LN layers only): in training, layer l of L (``layer_number``, ``num_layers``)
@@ -58,7 +75,7 @@ from torch import Tensor, nn
 from tachyon.kernels.dropout import bias_dropout_add, bias_dropout_add_layer_norm
 from tachyon.nn.attention import (
     ATTN_MASK_TYPES, QKV_FORMATS, MultiheadAttention, check_choice, check_dropout, check_hidden_states, draw_seed,
-    te_default_init,
+    own_forward, te_default_init,
 )
 from tachyon.nn.layernorm_linear import check_normalization, norm_weight
 from tachyon.nn.layernorm_mlp import ACTIVATIONS, LayerNormMLP
@@ -67,6 +84,9 @@ from tachyon.nn.norm import LayerNorm, RMSNorm
 from tachyon.nn.rope import RotaryTables
 
 LAYER_TYPES = ("encoder", "decoder")
+
+# dropout sites of one forward (indices into TransformerLayer._draw_seeds)
+_SITE_ATTN_PROBS, _SITE_ATTN_OUT, _SITE_MLP_OUT, _SITE_INTER_PROBS, _SITE_INTER_OUT = range(5)
 
 # HF activation name -> TE / tachyon activation ("gelu" is TE's tanh approximation)
 _HF_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu", "relu": "relu",
@@ -225,24 +245,69 @@ class TransformerLayer(nn.Module):
             if zero_centered_gamma:
                 nn.init.zeros_(self.layernorm.weight)
 
-    def _bda(self, x: Tensor, bias: Tensor | None, residual: Tensor, scale: float = 1.0) -> Tensor:
+    def _draw_seeds(self, x: Tensor) -> list[Tensor | None]:
+        """The dropout seeds of one training forward, indexed by the _SITE_* constants: 0-dim int64
+        views of ONE ``torch.randint`` draw on x's device (one launch; torch.manual_seed reproduces
+        it, torch.compile traces it), None where that dropout is off (or in eval mode)."""
+        sites = 5 if self.layer_type == "decoder" else 3
+        if not self.training:
+            return [None] * sites
+        probs = [self.self_attention.core_attention.attention_dropout, self.hidden_dropout, self.hidden_dropout]
+        if self.layer_type == "decoder":
+            probs += [self.inter_attention.core_attention.attention_dropout, self.hidden_dropout]
+        if not any(p > 0 for p in probs):
+            return [None] * sites
+        seeds = torch.randint(0, 2**62, (sites,), dtype=torch.int64, device=x.device).unbind(0)
+        return [seed if p > 0 else None for seed, p in zip(seeds, probs)]
+
+    def _bda(self, x: Tensor, bias: Tensor | None, residual: Tensor, scale: float = 1.0,
+             seed: Tensor | None = None) -> Tensor:
+        """residual + dropout(x + bias) (x and bias times ``scale`` first: progressive layer drop's
+        1 / p); ``seed``: the dropout seed, drawn here when None and dropout is on."""
         if scale != 1.0:  # progressive layer drop: the residual branch of a kept layer, over p
             x = x * scale
             bias = bias * scale if bias is not None else None
         p = self.hidden_dropout if self.training else 0.0
-        return bias_dropout_add(x, bias, residual, p, draw_seed(x.device) if p > 0 else None, training=self.training,
-                                backend=self.backend)
+        if p > 0 and seed is None:
+            seed = draw_seed(x.device)
+        return bias_dropout_add(x, bias, residual, p, seed, training=self.training, backend=self.backend)
 
-    def _bda_norm(self, x: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+    def _bda_norm(self, x: Tensor, bias: Tensor | None, residual: Tensor, seed: Tensor | None = None) -> Tensor:
+        """The output layernorm of residual + dropout(x + bias), fused (output_layernorm)."""
+        return self._bda_into_norm(x, bias, residual, self.layernorm, False, seed=seed)
+
+    def _bda_into_norm(self, x: Tensor, bias: Tensor | None, residual: Tensor, norm: nn.Module, return_residual: bool,
+                       scale: float = 1.0, seed: Tensor | None = None):
+        """norm(residual + dropout(x + bias)) with ``norm``'s parameters (LayerNormMLP's own norm, or
+        the output layernorm), and the sum when ``return_residual``: one kernel each way."""
+        if scale != 1.0:
+            x = x * scale
+            bias = bias * scale if bias is not None else None
         p = self.hidden_dropout if self.training else 0.0
-        weight = norm_weight(self.layernorm.weight, self.zero_centered_gamma, x.dtype)
-        ln_bias = getattr(self.layernorm, "bias", None)
-        y, _ = bias_dropout_add_layer_norm(
-            x, bias, residual, weight, ln_bias.to(x.dtype) if ln_bias is not None else None, self.layernorm_epsilon, p,
-            draw_seed(x.device) if p > 0 else None, training=self.training, rms=self.normalization == "RMSNorm",
-            backend=self.backend,
+        if p > 0 and seed is None:
+            seed = draw_seed(x.device)
+        if isinstance(norm, LayerNormMLP):
+            weight, ln_bias, eps = norm.layer_norm_weight, norm.layer_norm_bias, norm.eps
+        else:
+            weight, ln_bias, eps = norm.weight, getattr(norm, "bias", None), self.layernorm_epsilon
+        return bias_dropout_add_layer_norm(
+            x, bias, residual, norm_weight(weight, self.zero_centered_gamma, x.dtype),
+            ln_bias.to(x.dtype) if ln_bias is not None else None, eps, p, seed, training=self.training,
+            rms=self.normalization == "RMSNorm", return_residual=return_residual, backend=self.backend,
         )
-        return y
+
+    def _fusable(self) -> bool:
+        """True when the layer and its submodules run tachyon.nn's own methods, whose fused calls
+        (one seed draw, norm2 inside the residual add, residual branches out of the norms) the
+        forward uses; a subclass that replaces them (tensor parallelism's wrappers, which place
+        collectives and per-rank dropout streams in those methods) gets the plain composition."""
+        cls = type(self)
+        if cls._bda is not TransformerLayer._bda or cls._bda_norm is not TransformerLayer._bda_norm:
+            return False
+        attn = self.self_attention
+        return (own_forward(attn, MultiheadAttention) and own_forward(self.layernorm_mlp, LayerNormMLP)
+                and attn.fused_calls_supported()
+                and (self.layer_type != "decoder" or self.inter_attention.fused_calls_supported()))
 
     def forward(
         self, hidden_states: Tensor, attention_mask: Tensor | None = None, self_attn_mask_type: str | None = None,
@@ -253,6 +318,8 @@ class TransformerLayer(nn.Module):
         check_hidden_states("TransformerLayer", "hidden_states", hidden_states, self.hidden_size, self.attn_input_format)
         if self.layer_type == "encoder" and (encoder_output is not None or enc_dec_attn_mask is not None):
             raise ValueError("TransformerLayer: encoder_output / enc_dec_attn_mask need layer_type='decoder'")
+        if self.layer_type == "decoder" and encoder_output is None:
+            raise ValueError("TransformerLayer: layer_type='decoder' needs encoder_output")
         keep = pld_keep_probability("TransformerLayer", progressive_layer_drop, pld_theta, self.layer_number,
                                     self.num_layers)
         if keep is not None and (self.output_layernorm or self.apply_residual_connection_post_layernorm):
@@ -274,6 +341,56 @@ class TransformerLayer(nn.Module):
                 is_first_microbatch = True  # the first micro-batch skipped this layer: cache the weights now
         if is_first_microbatch is not None:
             self._pld_stale_fp8_cache = False
+        if self._fusable():
+            return self._forward_fused(x, attention_mask, self_attn_mask_type, rotary_pos_emb, encoder_output,
+                                       enc_dec_attn_mask, is_first_microbatch, scale)
+        return self._forward_composed(x, attention_mask, self_attn_mask_type, rotary_pos_emb, encoder_output,
+                                      enc_dec_attn_mask, is_first_microbatch, scale)
+
+    def _forward_fused(self, x, attention_mask, self_attn_mask_type, rotary_pos_emb, encoder_output,
+                       enc_dec_attn_mask, is_first_microbatch, scale) -> Tensor:
+        """The layer with its residual adds fused into the norms around them (module docstring)."""
+        seeds = self._draw_seeds(x)
+        post_ln = self.apply_residual_connection_post_layernorm
+        # pre-LN: x feeds the input norm and the residual; the norm's backward sums x's two gradients
+        branch = not self.output_layernorm and not post_ln
+        attn = self.self_attention(x, attention_mask, attn_mask_type=self_attn_mask_type, rotary_pos_emb=rotary_pos_emb,
+                                   is_first_microbatch=is_first_microbatch, dropout_seed=seeds[_SITE_ATTN_PROBS],
+                                   return_input_branch=branch)
+        if branch or (post_ln and not self.output_layernorm):  # the residual: x's branch, or norm1's output
+            attn_out, attn_bias, residual = attn
+        else:
+            (attn_out, attn_bias), residual = attn, x
+        mlp_residual = None  # the MLP block's residual when it is not the MLP norm's output
+        if self.layer_type == "decoder":
+            h = self._bda(attn_out, attn_bias, residual, scale, seeds[_SITE_ATTN_OUT])
+            inter = self.inter_attention(
+                h, enc_dec_attn_mask, encoder_output.to(x.dtype),
+                attn_mask_type="padding" if enc_dec_attn_mask is not None else "no_mask",
+                is_first_microbatch=is_first_microbatch, dropout_seed=seeds[_SITE_INTER_PROBS],
+            )
+            if post_ln:
+                inter_out, inter_bias, residual = inter
+            else:
+                (inter_out, inter_bias), residual = inter, h
+            site = _SITE_INTER_OUT
+        else:
+            inter_out, inter_bias, site = attn_out, attn_bias, _SITE_ATTN_OUT
+        # the residual add before the MLP runs fused with the MLP's norm (bias_dropout_add_layer_norm)
+        if post_ln:  # the MLP's residual is its norm's output
+            ln2 = self._bda_into_norm(inter_out, inter_bias, residual, self.layernorm_mlp, False, scale, seeds[site])
+        else:
+            ln2, mlp_residual = self._bda_into_norm(inter_out, inter_bias, residual, self.layernorm_mlp, True, scale,
+                                                    seeds[site])
+        mlp_out, mlp_bias = self.layernorm_mlp(ln2, is_first_microbatch, input_is_normalized=True)[:2]
+        residual = ln2 if post_ln else mlp_residual
+        if self.output_layernorm:
+            return self._bda_norm(mlp_out, mlp_bias, residual, seeds[_SITE_MLP_OUT])
+        return self._bda(mlp_out, mlp_bias, residual, scale, seeds[_SITE_MLP_OUT])
+
+    def _forward_composed(self, x, attention_mask, self_attn_mask_type, rotary_pos_emb, encoder_output,
+                          enc_dec_attn_mask, is_first_microbatch, scale) -> Tensor:
+        """The blocks as separate calls (each module's own norm; each dropout draws its seed)."""
         attn = self.self_attention(x, attention_mask, attn_mask_type=self_attn_mask_type, rotary_pos_emb=rotary_pos_emb,
                                    is_first_microbatch=is_first_microbatch)
         if self.apply_residual_connection_post_layernorm and not self.output_layernorm:
@@ -282,8 +399,6 @@ class TransformerLayer(nn.Module):
             (attn_out, attn_bias), residual = attn, x
         h = self._bda(attn_out, attn_bias, residual, scale)
         if self.layer_type == "decoder":
-            if encoder_output is None:
-                raise ValueError("TransformerLayer: layer_type='decoder' needs encoder_output")
             inter = self.inter_attention(
                 h, enc_dec_attn_mask, encoder_output.to(x.dtype),
                 attn_mask_type="padding" if enc_dec_attn_mask is not None else "no_mask",

@@ -242,8 +242,11 @@ def _tachyon_count(name: str, a: dict[str, Any], out: Any) -> Count | None:
         d = qkv.shape[-1] // (heads + 2 * kv_heads)
         batch, seq = (qkv.shape[1], qkv.shape[0]) if a["sbhd"] else (qkv.shape[0], qkv.shape[1])
         kv = (batch, kv_heads, seq, d)
-        return attention_count((batch, heads, seq, d), kv, kv, a["causal"], backward=name.endswith("bwd"),
-                               bottom_right=True)
+        flops, macs = attention_count((batch, heads, seq, d), kv, kv, a["causal"], backward=name.endswith("bwd"),
+                                      bottom_right=True)
+        if a.get("rope_cos") is not None:  # RoPE applied inside the op: x * cos + rot(x) * sin on q and k
+            flops += 3 * batch * seq * (heads + kv_heads) * a["rope_cos"].shape[-1]
+        return flops, macs
     if name == "norm_fwd":
         return (a["x"].numel() if a["residual"] is not None else 0) + _norm_count(a["x"], a["is_rms"]), 0
     if name == "norm_bwd":

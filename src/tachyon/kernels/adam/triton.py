@@ -7,9 +7,11 @@ Design: the launcher writes a small table per call, one row per tensor,
 
 and a cached map ``program -> tensor`` (int32 [n_programs]). Program ``pid`` handles elements
 ``[(pid - first_program) * CHUNK, ... + CHUNK)`` of its tensor in BLOCK-wide slices. A flat ZeRO
-partition is one tensor, so one launch; a list of ordinary parameters is also one launch per
-(param dtype, grad dtype) pair. Pointers are loaded from the table and cast to the element type
-of a "witness" tensor argument of the same dtype. Every tensor must be contiguous. Pointers
+partition is one tensor, so one launch, and it needs no table: ``_adam_flat_kernel`` takes its
+four pointers and two step scalars as kernel arguments (it reads param, grad and the moments and
+nothing else); a list of ordinary parameters is also one launch per (param dtype, grad dtype)
+pair. Pointers are loaded from the table and cast to the element type of a "witness" tensor
+argument of the same dtype. Every tensor must be contiguous. Pointers
 loaded from memory carry no alignment facts, so the launcher checks that all are 16-byte aligned
 and then says so (tl.multiple_of); full chunks run unmasked, so their loads and stores vectorize
 (128-bit), and only each tensor's last chunk is masked.
@@ -106,6 +108,27 @@ def _adam_kernel(
                         one_minus_beta1, beta2, one_minus_beta2, eps, ADAM_W_MODE, True)
 
 
+@triton.jit
+def _adam_flat_kernel(
+    p_ptr, g_ptr, m_ptr, v_ptr, numel, step_size, bc2_sqrt,
+    decay, l2_wd, one_minus_beta1, beta2, one_minus_beta2, eps,
+    ADAM_W_MODE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One tensor (a flat ZeRO partition): the pointers and step scalars are kernel arguments, so
+    nothing but param, grad and the two moments is read. Program pid: elements [pid * CHUNK, +CHUNK)."""
+    start = tl.program_id(0).to(tl.int64) * CHUNK
+    if start + CHUNK <= numel:
+        for i in range(CHUNK // BLOCK):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            _adam_slice(p_ptr, g_ptr, m_ptr, v_ptr, offs, None, step_size, bc2_sqrt, decay, l2_wd,
+                        one_minus_beta1, beta2, one_minus_beta2, eps, ADAM_W_MODE, False)
+    else:
+        for i in range(CHUNK // BLOCK):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            _adam_slice(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < numel, step_size, bc2_sqrt, decay, l2_wd,
+                        one_minus_beta1, beta2, one_minus_beta2, eps, ADAM_W_MODE, True)
+
+
 def _program_map(numels: tuple[int, ...], device: torch.device) -> tuple[Tensor, list[int], int]:
     """(program -> tensor index map on ``device``, first program of each tensor, n_programs); cached."""
     firsts, total = [], 0
@@ -133,6 +156,15 @@ def adam_step(
     scalars: per tensor (step_size, sqrt(bc2)) from reference.step_scalars. Inputs are checked by
     the op (contiguous, matching shapes, fp32 states).
     """
+    if len(params) == 1:  # one tensor: no table (see _adam_flat_kernel)
+        numel = params[0].numel()
+        if numel:
+            _adam_flat_kernel[(triton.cdiv(numel, CHUNK),)](
+                params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], numel, *scalars[0],
+                1.0 - lr * weight_decay, weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, eps,
+                ADAM_W_MODE=adam_w_mode, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4,
+            )
+        return
     numels = tuple(p.numel() for p in params)
     device = params[0].device
     program_tensor, firsts, n_programs = _program_map(numels, device)

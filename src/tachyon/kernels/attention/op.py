@@ -35,14 +35,15 @@ MAX_TRITON_HEAD_DIM = 256
 @fused_op("tachyon::attention_fwd", mutates_args=())
 def _attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, key_padding_bias: Tensor | None, causal: bool, dropout_p: float,
-    seed: int, seed_tensor: Tensor | None, softmax_scale: float, deterministic: bool, backend: str,
+    seed: int, seed_tensor: Tensor | None, softmax_scale: float, deterministic: bool, one_kernel_backward: bool,
+    backend: str,
 ) -> tuple[Tensor, Tensor]:
     """q: [b, h, sq, d], k, v: [b, kvh, sk, d] (unit stride in d), bias: fp32 [b, sk] or None.
     The Philox seed is ``seed_tensor`` (0-dim int64) when given, else ``seed``. ``deterministic``
-    only matters to the backward (setup_context keeps it).
+    and ``one_kernel_backward`` only matter to the backward (setup_context keeps them).
     Returns (out [b, h, sq, d] in q's dtype and memory order (see :func:`empty_in_layout_of`),
     lse [b, h, sq] fp32)."""
-    del deterministic
+    del deterministic, one_kernel_backward
     s = join_seed(seed, seed_tensor)
     out = empty_in_layout_of(q)
     if backend == "triton":
@@ -53,7 +54,8 @@ def _attention_fwd(
 
 
 @_attention_fwd.register_fake
-def _(q, k, v, key_padding_bias, causal, dropout_p, seed, seed_tensor, softmax_scale, deterministic, backend):
+def _(q, k, v, key_padding_bias, causal, dropout_p, seed, seed_tensor, softmax_scale, deterministic, one_kernel_backward,
+      backend):
     return empty_in_layout_of(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -61,7 +63,7 @@ def _(q, k, v, key_padding_bias, causal, dropout_p, seed, seed_tensor, softmax_s
 def _attention_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding_bias: Tensor | None,
     causal: bool, dropout_p: float, seed: int, seed_tensor: Tensor | None, softmax_scale: float,
-    deterministic: bool, backend: str,
+    deterministic: bool, one_kernel_backward: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv), contiguous, in the dtypes and shapes of q, k, v."""
     s = join_seed(seed, seed_tensor)
@@ -69,7 +71,8 @@ def _attention_bwd(
         from tachyon.kernels.attention import triton as tri
 
         dq, dk, dv, _ = tri.attention_bwd(dout, q, k, v, out, lse, key_padding_bias, causal, dropout_p, s,
-                                          softmax_scale, None, None, deterministic)
+                                          softmax_scale, None, None, deterministic,
+                                          **({"one_kernel": True} if one_kernel_backward else {}))
         return dq, dk, dv
     return reference.attention_backward(dout, q, k, v, out, lse, key_padding_bias, causal, dropout_p, s,
                                         softmax_scale)
@@ -77,16 +80,16 @@ def _attention_bwd(
 
 @_attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, key_padding_bias, causal, dropout_p, seed, seed_tensor, softmax_scale,
-      deterministic, backend):
+      deterministic, one_kernel_backward, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, bias, causal, dropout_p, seed, seed_tensor, softmax_scale, deterministic, backend = inputs
+    q, k, v, bias, causal, dropout_p, seed, seed_tensor, softmax_scale, deterministic, one_kernel, backend = inputs
     out, lse = output
     ctx.set_materialize_grads(False)  # lse gets no gradient: None, not a zero fill
     ctx.causal, ctx.dropout_p, ctx.seed, ctx.softmax_scale = causal, dropout_p, seed, softmax_scale
-    ctx.deterministic, ctx.backend = deterministic, backend
+    ctx.deterministic, ctx.one_kernel, ctx.backend = deterministic, one_kernel, backend
     ctx.save_for_backward(q, k, v, out, lse, bias, seed_tensor)
 
 
@@ -94,9 +97,9 @@ def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, bias, seed_tensor = ctx.saved_tensors
     dq, dk, dv = _attention_bwd(  # the kernels take dO's strides (as the output's, usually): no copy
         _unit_last_stride(dout), q, k, v, out, lse, bias, ctx.causal, ctx.dropout_p, ctx.seed, seed_tensor,
-        ctx.softmax_scale, ctx.deterministic, ctx.backend,
+        ctx.softmax_scale, ctx.deterministic, ctx.one_kernel, ctx.backend,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -145,6 +148,12 @@ def _check_inputs(q, k, v, key_padding_bias, dropout_p, seed, softmax_scale, det
         raise ValueError(f"{OP}: softmax_scale must be a finite float or None (1/sqrt(head_dim)); got {softmax_scale!r}")
 
 
+def _check_flag(op: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{op}: {name} must be True or False; got {value!r}")
+    return value
+
+
 def _unit_last_stride(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -163,7 +172,7 @@ def empty_in_layout_of(t: Tensor) -> Tensor:
 def attention(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key_padding_bias: Tensor | None = None,
     dropout_p: float = 0.0, seed: int | Tensor | None = None, softmax_scale: float | None = None,
-    deterministic: bool = True, backend: str | None = None,
+    deterministic: bool = True, one_kernel_backward: bool = False, backend: str | None = None,
 ) -> Tensor:
     """Scaled dot-product attention without materializing the [seq_q, seq_k] probabilities.
 
@@ -189,6 +198,12 @@ def attention(
       with fp32 atomics (probabilities recomputed once instead of twice; on a GPU dQ's summation
       order, hence its last bits, can vary run to run; out, dK and dV do not). The torch backend
       ignores it (its backward is always deterministic).
+    - ``one_kernel_backward``: with ``deterministic`` on the Triton backend, the backward is one
+      launch instead of two (program i computes dK/dV of key block i and dQ of query block i,
+      recomputing delta = rowsum(dO * O) where it needs it instead of storing it): the same
+      values bit for bit, one launch and delta's round trip fewer, O re-read per block pair by
+      the dK/dV loop (a trade for small and medium sequences, where a launch costs more than
+      those re-reads). Ignored otherwise.
 
     Rows whose keys are all masked (all -inf) return 0 with zero gradients, not NaN (HF's finfo.min
     masks give a uniform average there instead; rows with one real key agree).
@@ -216,7 +231,7 @@ def attention(
     seed_int, seed_tensor = split_seed(seed) if dropout_p > 0.0 else (0, None)
     out, _ = _attention_fwd(
         _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), bias, bool(causal), dropout_p,
-        seed_int, seed_tensor, scale, deterministic, chosen,
+        seed_int, seed_tensor, scale, deterministic, _check_flag(OP, "one_kernel_backward", one_kernel_backward), chosen,
     )
     return out
 

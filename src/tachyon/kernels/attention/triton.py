@@ -18,6 +18,12 @@ Backward, deterministic by default (no atomics), recomputing P = exp(S - lse) fr
 2. dK, dV: one program per (block of BLOCK_N keys, batch * kv head); it loops over the query
    heads of its GQA group and over the query blocks that can see its keys, reading the stored
    delta, accumulating dV += (P*Z)^T dO and dK += dS^T Q in fp32 registers.
+One-kernel backward (``one_kernel=True``, deterministic): ``_bwd_one_kernel`` runs both steps in
+one launch, program i doing step 2 for key block i and then step 1 for query block i (same block
+functions, same sums: the same bits). No launch stores delta before the dK/dV loop, so that loop
+recomputes it from O and dO per query block (O is re-read per block pair; delta is never
+written). Causal, key block i sees the query blocks from i on and query block i the key blocks up
+to i, so the programs' work is balanced.
 Z is the dropout mask / (1 - p), regenerated from tl.rand(seed, flat index) wherever it is needed.
 The seed is a scalar argument (an int) or loaded from a 0-dim int64 tensor (SEED_FROM_PTR), the
 form torch.compile and the BERT layer's on-device seed counter use.
@@ -76,6 +82,8 @@ _FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64
                          (32, 32, 4, 1)])
 _DKDV_CONFIGS = _configs([(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 1)])
 _DQ_CONFIGS = _configs([(128, 64, 8, 2), (64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1)])
+# the one-kernel backward: square tiles, so key block i and query block i cover the same rows
+_ONE_KERNEL_CONFIGS = _configs([(64, 64, 4, 2), (128, 128, 8, 2), (32, 32, 4, 1)])
 
 
 @triton.jit
@@ -231,10 +239,11 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _dkdv_block(
-    dk, dv, ds_sum, k, v, bias, bq, q_base, do_base, lse_row, delta_row, dq_base, start_m, offs_m0, offs_n, offs_d,
-    d_valid, stride_qm, stride_dom, seq_q, seq_k, diag, sm_scale, qk_scale, dropout_p, inv_keep, seed, drop_base,
-    IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_QKV_BIAS: tl.constexpr,
+    dk, dv, ds_sum, k, v, bias, bq, q_base, do_base, o_base, lse_row, delta_row, dq_base, start_m, offs_m0, offs_n,
+    offs_d, d_valid, stride_qm, stride_dom, stride_om, seq_q, seq_k, diag, sm_scale, qk_scale, dropout_p, inv_keep,
+    seed, drop_base, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_QKV_BIAS: tl.constexpr, DELTA_FROM_OUT: tl.constexpr,
 ):
     """One query block's contribution to dK, dV of a key block. Rows past seq_q load lse = +inf,
     so their P is 0; columns past seq_k only touch rows of dK/dV that are never stored. MASKED:
@@ -242,7 +251,9 @@ def _dkdv_block(
 
     ATOMIC_DQ: also add this block's dQ = scale * dS K to the fp32 rows at dq_base (row stride
     HEAD_DIM) with atomics; P at keys past seq_k is zeroed first (it may overflow there).
-    HAS_QKV_BIAS: also add dS's column sums to ds_sum [BLOCK_N] (for the q bias gradient)."""
+    HAS_QKV_BIAS: also add dS's column sums to ds_sum [BLOCK_N] (for the q bias gradient).
+    DELTA_FROM_OUT: delta = rowsum(dO * O) of the block's rows is computed here from O at o_base
+    (the one-kernel backward, where no earlier launch stored it), else loaded from delta_row."""
     offs_m = start_m + offs_m0
     m_valid = offs_m < seq_q
     qd_mask = m_valid[:, None] & d_valid[None, :]
@@ -250,7 +261,11 @@ def _dkdv_block(
                    HAS_QKV_BIAS)
     do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=qd_mask, other=0.0)
     lse = tl.load(lse_row + offs_m, mask=m_valid, other=float("inf"))
-    delta = tl.load(delta_row + offs_m, mask=m_valid, other=0.0)
+    if DELTA_FROM_OUT:  # the same sum, in the same order, as the dQ kernel's
+        o = tl.load(o_base + offs_m[:, None] * stride_om + offs_d[None, :], mask=qd_mask, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    else:
+        delta = tl.load(delta_row + offs_m, mask=m_valid, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         s += bias[None, :]
@@ -277,29 +292,22 @@ def _dkdv_block(
     return dk, dv, ds_sum
 
 
-# DQ_ACC is zeroed before each timed config: the atomic variant accumulates into it
-@triton.autotune(configs=_DKDV_CONFIGS, key=_KEY + ["ATOMIC_DQ"], prune_configs_by={"early_config_prune": _prune},
-                 reset_to_zero=["DQ_ACC"])
 @triton.jit
-def _bwd_dkdv_kernel(
-    Q, K, V, BIAS, DO, LSE, DELTA, DK, DV, DQ_ACC, QKV_B, DB_PART,
+def _dkdv_program(
+    pid_n, b, kvh, seed, Q, K, V, BIAS, DO, LSE, DELTA, OUT, DK, DV, DQ_ACC, QKV_B, DB_PART,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_bias_b, stride_part,
-    heads, kv_heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed, SEED_PTR,
+    stride_dob, stride_doh, stride_dom, stride_ob, stride_oh, stride_om, stride_dkb, stride_dkh, stride_dkn,
+    stride_bias_b, stride_part, heads, kv_heads, group, seq_q, seq_k, sm_scale, dropout_p, inv_keep,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    SEED_FROM_PTR: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, DELTA_FROM_OUT: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """HAS_QKV_BIAS: q, k, v get their bias slices added as loaded, and the program stores the
-    QKV bias gradient's partial sums over its keys in row (b * programs + pid_n) of DB_PART
+    """dK, dV of key block pid_n of kv head kvh in batch b (see _dkdv_block for ATOMIC_DQ and
+    DELTA_FROM_OUT). HAS_QKV_BIAS: q, k, v get their bias slices added as loaded, and the program stores the
+    QKV bias gradient's partial sums over its keys in row (b * cdiv(seq_k, BLOCK_N) + pid_n) of DB_PART
     [rows, (heads + 2 kv_heads) * HEAD_DIM] fp32: dk's and dv's column sums at their heads'
     columns, and for each query head of its group sum_i dq_i restricted to its keys,
     scale * sum_j (sum_i dS_ij) k_j (dQ = scale dS K summed over the rows)."""
-    pid_n = tl.program_id(0)
-    bkv = tl.program_id(1).to(tl.int64)
-    b = bkv // kv_heads
-    kvh = bkv % kv_heads
-    seed = load_seed(seed, SEED_PTR, SEED_FROM_PTR)
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -326,27 +334,28 @@ def _bwd_dkdv_kernel(
     if IS_CAUSAL:
         lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
         full_lo = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M, seq_q)
-    part_row = DB_PART + (b * tl.num_programs(0) + pid_n) * stride_part  # written only with HAS_QKV_BIAS
+    part_row = DB_PART + (b * tl.cdiv(seq_k, BLOCK_N) + pid_n) * stride_part  # written only with HAS_QKV_BIAS
     for g in range(0, group):
         h = kvh * group + g
         bh = b * heads + h
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
+        o_base = OUT + b * stride_ob + h * stride_oh  # read only with DELTA_FROM_OUT
         dq_base = DQ_ACC + bh * seq_q * HEAD_DIM  # read only with ATOMIC_DQ: fp32 [b, h, sq, d] contiguous
         bq, _, _ = _qkv_bias_slices(QKV_B, h, kvh, heads, kv_heads, offs_d, d_valid, HEAD_DIM, HAS_QKV_BIAS)
         ds_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start_m in range(lo, full_lo, BLOCK_M):
             dk, dv, ds_sum = _dkdv_block(
-                dk, dv, ds_sum, k, v, bias, bq, q_base, do_base, LSE + bh * seq_q, DELTA + bh * seq_q, dq_base, start_m,
-                offs_m0, offs_n, offs_d, d_valid, stride_qm, stride_dom, seq_q, seq_k, diag, sm_scale, sm_scale * LOG2E,
-                dropout_p, inv_keep, seed, bh * seq_q, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, True, ATOMIC_DQ, HEAD_DIM,
-                DOT_PRECISION, HAS_QKV_BIAS)
+                dk, dv, ds_sum, k, v, bias, bq, q_base, do_base, o_base, LSE + bh * seq_q, DELTA + bh * seq_q, dq_base,
+                start_m, offs_m0, offs_n, offs_d, d_valid, stride_qm, stride_dom, stride_om, seq_q, seq_k, diag, sm_scale,
+                sm_scale * LOG2E, dropout_p, inv_keep, seed, bh * seq_q, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, True,
+                ATOMIC_DQ, HEAD_DIM, DOT_PRECISION, HAS_QKV_BIAS, DELTA_FROM_OUT)
         for start_m in range(full_lo, seq_q, BLOCK_M):
             dk, dv, ds_sum = _dkdv_block(
-                dk, dv, ds_sum, k, v, bias, bq, q_base, do_base, LSE + bh * seq_q, DELTA + bh * seq_q, dq_base, start_m,
-                offs_m0, offs_n, offs_d, d_valid, stride_qm, stride_dom, seq_q, seq_k, diag, sm_scale, sm_scale * LOG2E,
-                dropout_p, inv_keep, seed, bh * seq_q, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, False, ATOMIC_DQ, HEAD_DIM,
-                DOT_PRECISION, HAS_QKV_BIAS)
+                dk, dv, ds_sum, k, v, bias, bq, q_base, do_base, o_base, LSE + bh * seq_q, DELTA + bh * seq_q, dq_base,
+                start_m, offs_m0, offs_n, offs_d, d_valid, stride_qm, stride_dom, stride_om, seq_q, seq_k, diag, sm_scale,
+                sm_scale * LOG2E, dropout_p, inv_keep, seed, bh * seq_q, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, False,
+                ATOMIC_DQ, HEAD_DIM, DOT_PRECISION, HAS_QKV_BIAS, DELTA_FROM_OUT)
         if HAS_QKV_BIAS:  # this query head's bias gradient from these keys; keys past seq_k add nothing
             ds_sum = tl.where(n_valid, ds_sum, 0.0)
             dbq = tl.sum(ds_sum[:, None] * k.to(tl.float32), 0) * sm_scale
@@ -359,6 +368,30 @@ def _bwd_dkdv_kernel(
         dbv = tl.sum(tl.where(n_valid[:, None], dv, 0.0), 0)
         tl.store(part_row + (heads + kvh) * HEAD_DIM + offs_d, dbk, mask=d_valid)
         tl.store(part_row + (heads + kv_heads + kvh) * HEAD_DIM + offs_d, dbv, mask=d_valid)
+
+
+# DQ_ACC is zeroed before each timed config: the atomic variant accumulates into it
+@triton.autotune(configs=_DKDV_CONFIGS, key=_KEY + ["ATOMIC_DQ"], prune_configs_by={"early_config_prune": _prune},
+                 reset_to_zero=["DQ_ACC"])
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, BIAS, DO, LSE, DELTA, DK, DV, DQ_ACC, QKV_B, DB_PART,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_bias_b, stride_part,
+    heads, kv_heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed, SEED_PTR,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SEED_FROM_PTR: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bkv = tl.program_id(1).to(tl.int64)
+    seed = load_seed(seed, SEED_PTR, SEED_FROM_PTR)
+    _dkdv_program(
+        pid_n, bkv // kv_heads, bkv % kv_heads, seed, Q, K, V, BIAS, DO, LSE, DELTA, Q, DK, DV, DQ_ACC, QKV_B, DB_PART,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        stride_dob, stride_doh, stride_dom, 0, 0, 0, stride_dkb, stride_dkh, stride_dkn, stride_bias_b, stride_part,
+        heads, kv_heads, group, seq_q, seq_k, sm_scale, dropout_p, inv_keep, HEAD_DIM, IS_CAUSAL, HAS_BIAS,
+        HAS_DROPOUT, ATOMIC_DQ, HAS_QKV_BIAS, False, BLOCK_D, DOT_PRECISION, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -401,24 +434,20 @@ def _dq_block(
     return dq
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})
 @triton.jit
-def _bwd_dq_kernel(
-    Q, K, V, BIAS, DO, LSE, DELTA, DQ, OUT, QKV_B,
+def _dq_program(
+    pid_m, b, h, seed, Q, K, V, BIAS, DO, LSE, DELTA, DQ, OUT, QKV_B,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_bias_b,
-    stride_ob, stride_oh, stride_om,
-    heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed, SEED_PTR,
+    stride_ob, stride_oh, stride_om, heads, group, seq_q, seq_k, sm_scale, dropout_p, inv_keep,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    SEED_FROM_PTR: tl.constexpr, STORE_DELTA: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
+    STORE_DELTA: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // heads
-    h = bh % heads
+    """dQ of query block pid_m of head h in batch b; delta = rowsum(dO * O) of its rows is computed
+    first (and stored to DELTA when STORE_DELTA)."""
+    bh = b * heads + h
     kvh = h // group
-    seed = load_seed(seed, SEED_PTR, SEED_FROM_PTR)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -431,13 +460,12 @@ def _bwd_dq_kernel(
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :], mask=qd_mask, other=0.0)
     # base-2 logsumexp; rows past seq_q load +inf, so their P is 0
     lse2 = tl.load(LSE + bh * seq_q + offs_m, mask=m_valid, other=float("inf")) * LOG2E
-    if STORE_DELTA:  # this kernel runs first: delta = rowsum(dO * O) of its rows, stored for dK/dV
-        o = tl.load(OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :], mask=qd_mask,
-                    other=0.0)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    # delta = rowsum(dO * O) of its rows; stored for a dK/dV kernel that runs after this one
+    o = tl.load(OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :], mask=qd_mask,
+                other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if STORE_DELTA:
         tl.store(DELTA + bh * seq_q + offs_m, delta, mask=m_valid)
-    else:
-        delta = tl.load(DELTA + bh * seq_q + offs_m, mask=m_valid, other=0.0)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     bias_row = BIAS + b * stride_bias_b
@@ -455,6 +483,71 @@ def _bwd_dq_kernel(
                        seed, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, True, DOT_PRECISION, HAS_QKV_BIAS)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_mask)
+
+
+@triton.autotune(configs=_DQ_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, BIAS, DO, LSE, DELTA, DQ, OUT, QKV_B,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_bias_b,
+    stride_ob, stride_oh, stride_om,
+    heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed, SEED_PTR,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SEED_FROM_PTR: tl.constexpr, STORE_DELTA: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    seed = load_seed(seed, SEED_PTR, SEED_FROM_PTR)
+    _dq_program(
+        pid_m, bh // heads, bh % heads, seed, Q, K, V, BIAS, DO, LSE, DELTA, DQ, OUT, QKV_B,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_bias_b,
+        stride_ob, stride_oh, stride_om, heads, group, seq_q, seq_k, sm_scale, dropout_p, inv_keep,
+        HEAD_DIM, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, STORE_DELTA, HAS_QKV_BIAS, BLOCK_D, DOT_PRECISION, BLOCK_M, BLOCK_N)
+
+
+@triton.autotune(configs=_ONE_KERNEL_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _bwd_one_kernel(
+    Q, K, V, BIAS, DO, LSE, OUT, DQ, DK, DV, QKV_B, DB_PART,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom, stride_ob, stride_oh, stride_om, stride_dqb, stride_dqh, stride_dqm,
+    stride_dkb, stride_dkh, stride_dkn, stride_bias_b, stride_part,
+    heads, kv_heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed, SEED_PTR,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SEED_FROM_PTR: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The whole backward in one launch: program (i, b * kv_heads + kvh) computes dK, dV of key
+    block i (if i * BLOCK_N < seq_k) and then dQ of query block i for each query head of the
+    group (if i * BLOCK_M < seq_q). delta is recomputed from O and dO where it is needed, since no
+    earlier launch stores it. Causal: key block i loops over the query blocks at or after the
+    diagonal and query block i over the key blocks before it, so every program has about the same
+    work."""
+    pid = tl.program_id(0)
+    bkv = tl.program_id(1).to(tl.int64)
+    b = bkv // kv_heads
+    kvh = bkv % kv_heads
+    seed = load_seed(seed, SEED_PTR, SEED_FROM_PTR)
+    if pid * BLOCK_N < seq_k:
+        _dkdv_program(
+            pid, b, kvh, seed, Q, K, V, BIAS, DO, LSE, LSE, OUT, DK, DV, DK, QKV_B, DB_PART,
+            stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+            stride_dob, stride_doh, stride_dom, stride_ob, stride_oh, stride_om, stride_dkb, stride_dkh, stride_dkn,
+            stride_bias_b, stride_part, heads, kv_heads, group, seq_q, seq_k, sm_scale, dropout_p, inv_keep,
+            HEAD_DIM, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, False, HAS_QKV_BIAS, True, BLOCK_D, DOT_PRECISION, BLOCK_M,
+            BLOCK_N)
+    if pid * BLOCK_M < seq_q:
+        for g in range(0, group):
+            _dq_program(
+                pid, b, kvh * group + g, seed, Q, K, V, BIAS, DO, LSE, LSE, DQ, OUT, QKV_B,
+                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_bias_b,
+                stride_ob, stride_oh, stride_om, heads, group, seq_q, seq_k, sm_scale, dropout_p, inv_keep,
+                HEAD_DIM, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, False, HAS_QKV_BIAS, BLOCK_D, DOT_PRECISION, BLOCK_M,
+                BLOCK_N)
 
 
 def _common(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, causal: bool, dropout_p: float,
@@ -530,7 +623,7 @@ def attention_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, bias: torch.Tensor | None, causal: bool, dropout_p: float, seed: int | torch.Tensor,
     softmax_scale: float, grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    qkv_bias: torch.Tensor | None, deterministic: bool,
+    qkv_bias: torch.Tensor | None, deterministic: bool, one_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Returns (dq, dk, dv, dqkv_bias or None) in the dtypes of q, k, v.
 
@@ -547,16 +640,24 @@ def attention_bwd(
     deterministic=False: the delta kernel, then the dK/dV kernel, which also adds each block's dQ
     into a zeroed fp32 [b, h, sq, d] buffer with atomics (P is recomputed once instead of twice),
     then dQ is cast to q's dtype. The order of those fp32 additions varies from run to run on a
-    GPU, so dQ may differ in its last bits between runs; dK and dV are unchanged."""
+    GPU, so dQ may differ in its last bits between runs; dK and dV are unchanged.
+    one_kernel=True (with deterministic): one launch, ``_bwd_one_kernel`` (dK/dV of key block i and
+    dQ of query block i in program i; delta recomputed from O where needed, never stored), the
+    same values bit for bit as the two kernels: one launch and delta's write and read fewer, O
+    read once per (query block, key block) pair by the dK/dV loop."""
     if _interpreted_bf16(q):
         *grads32, db32 = attention_bwd(
             dout.float(), q.float(), k.float(), v.float(), out.float(), lse, bias, causal, dropout_p, seed,
-            softmax_scale, None, qkv_bias.float() if qkv_bias is not None else None, deterministic)
+            softmax_scale, None, qkv_bias.float() if qkv_bias is not None else None, deterministic,
+            **({"one_kernel": True} if one_kernel else {}))
         db = db32.to(qkv_bias.dtype) if db32 is not None else None
         if grads is None:
             return (*(g.to(q.dtype) for g in grads32), db)
         return (*(g.copy_(g32) for g, g32 in zip(grads, grads32)), db)
     batch, heads, kv_heads, seq_q, seq_k, bucket, inv_keep, flags = _common(q, k, bias, causal, dropout_p, qkv_bias)
+    if one_kernel and deterministic:
+        return _attention_bwd_one_kernel(dout, q, k, v, out, lse, bias, dropout_p, seed, softmax_scale, grads, qkv_bias,
+                                         batch, heads, kv_heads, seq_q, seq_k, bucket, inv_keep, flags)
     delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
     if grads is not None:
         dq, dk, dv = grads
@@ -607,4 +708,37 @@ def attention_bwd(
         if dq is not None:
             return dq.copy_(dq_acc), dk, dv, dbias
         return (dq_acc if q.dtype == torch.float32 else dq_acc.to(q.dtype)), dk, dv, dbias
+    return dq, dk, dv, dbias
+
+
+def _attention_bwd_one_kernel(dout, q, k, v, out, lse, bias, dropout_p, seed, softmax_scale, grads, qkv_bias, batch,
+                              heads, kv_heads, seq_q, seq_k, bucket, inv_keep, flags):
+    """attention_bwd with one_kernel=True (see there)."""
+    if grads is not None:
+        dq, dk, dv = grads
+        if dk.stride() != dv.stride():
+            raise ValueError(f"attention (triton): dk and dv must share strides; got {dk.stride()} and {dv.stride()}")
+    else:
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    seed_int, seed_ptr, from_ptr = seed_args(seed, lse)
+    part = None
+    if qkv_bias is not None:  # one row per key block, at most as many as with the smallest BLOCK_N
+        smallest_block_n = min(c.kwargs["BLOCK_N"] for c in _bwd_one_kernel.configs)
+        part = partials(batch * triton.cdiv(seq_k, smallest_block_n), 1, qkv_bias.numel(), q.device)
+
+    def grid(meta):
+        return max(triton.cdiv(seq_k, meta["BLOCK_N"]), triton.cdiv(seq_q, meta["BLOCK_M"])), batch * kv_heads
+
+    _bwd_one_kernel[grid](
+        q, k, v, bias if bias is not None else q, dout, lse, out, dq, dk, dv, qkv_bias if qkv_bias is not None else q,
+        part if part is not None else lse,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(out), *_strides3(dq),
+        *_strides3(dk), bias.stride(0) if bias is not None else 0, part.stride(0) if part is not None else 0,
+        heads, kv_heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_p, inv_keep, seed_int,
+        seed_ptr, SEED_FROM_PTR=from_ptr, **flags,
+    )
+    dbias = None
+    if part is not None:
+        rows = batch * triton.cdiv(seq_k, _bwd_one_kernel.best_config.kwargs["BLOCK_N"])
+        (dbias,) = sum_partials(part[:rows], [qkv_bias.dtype])
     return dq, dk, dv, dbias

@@ -69,15 +69,18 @@ def _rope_kernel(
 
 def rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, inverse: bool,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [b, s, h, d], k: [b, s, hk, d] (unit stride in d), cos/sin: fp32 [s, r] (unit stride in r).
 
-    Returns (q_out, k_out) with q's and k's shapes, dtypes and dense strides.
+    Returns (q_out, k_out) with q's and k's shapes, dtypes and dense strides, or ``out``: two
+    tensors of those shapes and dtypes (unit stride in d) to write into, which may be q and k
+    themselves (each program reads a token's elements before it writes them: in place is safe).
     """
     bsz, seq, hq, d = q.shape
     hk = k.shape[2]
     r = cos.shape[1]
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q_out, k_out = out if out is not None else (torch.empty_like(q), torch.empty_like(k))
     if bsz * seq == 0:
         return q_out, k_out
     block_d = triton.next_power_of_2(d)
