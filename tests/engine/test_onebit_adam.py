@@ -8,6 +8,7 @@ The rank-side scenario (`onebit_rank_main`) is shared with test_onebit_lamb.py.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 
@@ -182,10 +183,12 @@ def check_scenario(kind: str, world: int, results: list[dict], *, exact_warmup: 
         assert torch.equal(r["resumed_params"], r["onebit_params"]), f"{where}: the resumed run differs"
 
 
-def gpt_rank_main(kind: str, steps: int, freeze: int, lr: float) -> dict:
+def gpt_rank_main(kind: str, steps: int, freeze: int, lr: float, warmup: int = 100, floor: float = 0.1) -> dict:
     """One rank of the issue's own check: a small GPT on the embedded corpus (byte tokens, 64-token
-    windows, 16 windows per global batch), uncompressed Adam / LAMB against the 1-bit optimizer;
-    returns the validation loss (the first 128 validation windows) of each."""
+    windows, 16 windows per global batch), uncompressed Adam / LAMB against the 1-bit optimizer,
+    both under the same schedule (linear warm-up over ``warmup`` steps, then cosine decay to
+    ``floor`` x lr, as a real run has); returns the validation loss (the first 128 validation
+    windows) of each."""
     import torch.distributed as dist
 
     from tachyon.data import build_lm_datasets, collate
@@ -207,8 +210,11 @@ def gpt_rank_main(kind: str, steps: int, freeze: int, lr: float) -> dict:
         else:
             cls = OneBitAdam if kind == "adam" else OneBitLamb
             opt = cls(model.parameters(), lr=lr, freeze_step=freeze, comm_backend_name="gloo")
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(_warmup_cosine, warmup, steps, floor))
+        per_epoch = len(order) // 16
         for step in range(steps):
-            rows = order[step * 16:(step + 1) * 16][rank::world].tolist()
+            at = step % per_epoch
+            rows = order[at * 16:(at + 1) * 16][rank::world].tolist()
             batch = collate([train[i] for i in rows])
             opt.zero_grad()
             model(batch["input_ids"], batch["attention_mask"], batch["labels"]).backward()
@@ -217,23 +223,33 @@ def gpt_rank_main(kind: str, steps: int, freeze: int, lr: float) -> dict:
             else:
                 reduce_gradients(opt, model.parameters())
             opt.step()
+            schedule.step()
         with torch.no_grad():
             out[which] = model(val_batch["input_ids"], val_batch["attention_mask"], val_batch["labels"]).item()
     return out
 
 
+def _warmup_cosine(warmup: int, steps: int, floor: float, step: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def check_gpt(kind: str, results: list[dict]) -> None:
     for rank, r in enumerate(results):
         gap = (r["onebit"] - r["reference"]) / r["reference"]
-        assert r["reference"] < 3.0, f"the reference GPT barely learned: validation loss {r['reference']:.3f}"
-        assert gap <= CONVERGENCE_RTOL, (f"rank {rank}: 1-bit {kind} GPT validation loss {r['onebit']:.4f} is "
-                                         f"{100 * gap:.2f}% above the uncompressed {r['reference']:.4f}")
+        assert r["reference"] < 2.2, f"the reference GPT barely learned: validation loss {r['reference']:.3f}"
+        assert abs(gap) <= CONVERGENCE_RTOL, (f"rank {rank}: 1-bit {kind} GPT validation loss {r['onebit']:.4f} is "
+                                              f"{100 * gap:+.2f}% from the uncompressed {r['reference']:.4f}")
 
 
+# docs/onebit.md: 1000 steps, variance frozen after 20-25% of them (DeepSpeed's guidance), each
+# optimizer at a learning rate it converges with; measured +0.21% (Adam) and +0.64% (LAMB)
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_onebit_adam_small_gpt_on_the_embedded_corpus():
-    check_gpt("Adam", run_distributed(gpt_rank_main, 2, "adam", 400, 100, 3e-3, timeout=1200))
+    check_gpt("Adam", run_distributed(gpt_rank_main, 2, "adam", 1000, 200, 3e-3, timeout=1800))
 
 
 # The 4-rank run (about a CPU-minute) takes the same code paths as the 2-rank one; the

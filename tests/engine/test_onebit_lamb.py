@@ -33,7 +33,7 @@ def test_onebit_lamb_data_parallel(lamb_world):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_onebit_lamb_small_gpt_on_the_embedded_corpus():
-    check_gpt("LAMB", run_distributed(gpt_rank_main, 2, "lamb", 400, 250, 1e-2, timeout=1200))
+    check_gpt("LAMB", run_distributed(gpt_rank_main, 2, "lamb", 1000, 250, 2e-2, timeout=1800))
 
 
 # ---------------------------------------------------------------------- single process
