@@ -4,6 +4,8 @@
   all-reduce runs over the data-parallel group only (2 ranks, on this rank's tensor-parallel
   shard), every rank ends with the same full model, and the loss is close to uncompressed Adam on
   the same layout;
+- pipeline parallelism, dp=2 x pp=2 (an untied LM head): the data-parallel copies of each stage
+  stay equal and the loss is close to uncompressed Adam;
 - activation checkpointing (torch.utils.checkpoint inside the model) at ZeRO stages 0 and 2 on 4
   data-parallel ranks: bit for bit the run without it (recomputing the forward changes no
   gradient bit on CPU, so nothing the compression sees changes).
@@ -96,13 +98,40 @@ def _tensor_parallel_runs() -> dict:
     return out
 
 
+def _pipeline_runs() -> dict:
+    """dp=2 x pp=2, the small GPT with an untied LM head (tied weights across stages are refused
+    with 1-bit optimizers): Adam and OneBitAdam from the same start, through engine.train_batch."""
+    import tachyon
+    from tachyon.parallel.pipeline import PipelineModule
+    from tachyon.parallel.pipeline.gpt import gpt_layer_specs, gpt_loss
+    from tests.parallel import _engine_training as E
+    from tests.parallel import _pp_training as T
+
+    out = {}
+    for kind in ("Adam", "OneBitAdam"):
+        params = {"lr": TP_LR}
+        if kind == "OneBitAdam":
+            params.update(freeze_step=TP_FREEZE, comm_backend_name="gloo")
+        torch.manual_seed(0)  # the same start on the two data-parallel copies of a stage
+        net = PipelineModule(gpt_layer_specs(**T.CFG, tie_embeddings=False), num_stages=2, loss_fn=gpt_loss)
+        engine, *_ = tachyon.initialize(model=net, config=E.config(gas=2, stage=0, stages=2, optimizer={
+            "type": kind, "params": params}))
+        for step in range(TP_STEPS):
+            engine.train_batch(E.micro_batch_iter(engine, step))
+        loss = float(engine.eval_batch(E.micro_batch_iter(engine, 10_000)))
+        state = {k: v.detach().float().clone() for k, v in net.state_dict().items() if torch.is_tensor(v)}
+        out[kind] = {"loss": loss, "state": state, "stage": engine.mesh.rank("pp"), "dp": engine.data_parallel_world_size,
+                     "compressing": getattr(engine.optimizer, "in_compression_stage", None)}
+    return out
+
+
 def _four_ranks(what: str) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     if what == "tp":
-        return {"tp": _tensor_parallel_runs()}
+        return {"tp": _tensor_parallel_runs(), "pp": _pipeline_runs()}
     return {"ac": _activation_checkpointing_runs(rank, world)}
 
 
@@ -135,6 +164,21 @@ def test_onebit_with_tensor_parallel_compresses_over_data_parallel_only(tp_runs,
         assert abs(gap) <= 0.02, f"{where}: 1-bit loss {onebit['loss']:.4f} vs Adam {adam['loss']:.4f}"
         moved = max((onebit["state"][k] - adam["state"][k]).abs().max().item() for k in adam["state"])
         assert moved > 0, f"{where}: 1-bit equals Adam exactly; the compression did not run"
+
+
+@pytest.mark.distributed
+def test_onebit_with_an_untied_pipeline_keeps_the_stage_copies_equal(tp_runs):
+    by_stage: dict[int, dict] = {}
+    for rank, r in enumerate(tp_runs):
+        onebit, adam = r["pp"]["OneBitAdam"], r["pp"]["Adam"]
+        where = f"dp=2 x pp=2, rank {rank} (stage {onebit['stage']})"
+        assert onebit["compressing"] and onebit["dp"] == 2, where
+        first = by_stage.setdefault(onebit["stage"], onebit["state"])  # the two data-parallel copies agree
+        assert all(torch.equal(v, first[k]) for k, v in onebit["state"].items()), f"{where}: differs from its copy"
+        gap = (onebit["loss"] - adam["loss"]) / adam["loss"]
+        assert abs(gap) <= 0.02, f"{where}: 1-bit loss {onebit['loss']:.4f} vs Adam {adam['loss']:.4f}"
+        assert max((onebit["state"][k] - adam["state"][k]).abs().max().item() for k in adam["state"]) > 0, where
+    assert sorted(by_stage) == [0, 1]
 
 
 @pytest.mark.distributed
