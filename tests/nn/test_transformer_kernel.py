@@ -310,7 +310,8 @@ def test_stochastic_mode_uses_the_atomic_attention_backward_and_matches(monkeypa
 
     flags = []
     original = attention_triton.attention_bwd
-    monkeypatch.setattr(attention_triton, "attention_bwd", lambda *a: flags.append(a[-1]) or original(*a))
+    monkeypatch.setattr(attention_triton, "attention_bwd",
+                        lambda *a, **kw: flags.append(a[-1]) or original(*a, **kw))
     x, grad = torch.randn(2, 7, 32), torch.randn(2, 7, 32)
     mask = padding_mask(2, 7)
     results = []

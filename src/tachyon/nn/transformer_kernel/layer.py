@@ -350,7 +350,8 @@ class TransformerKernelLayer(nn.Module):
         else:  # x is also LN_attn's residual: its two gradients are summed by the QKV dX GEMM
             qkv, residual = K.linear_with_residual(x, self.attn_qkvw)
         ctx = K.attention_qkvpacked(qkv, c.heads, qkv_bias=self.attn_qkvb, key_padding_bias=bias, dropout_p=dropout_p,
-                                    seed=seed, deterministic=not c.stochastic_mode, backend=self.backend)
+                                    seed=seed, deterministic=not c.stochastic_mode, one_kernel_backward=True,
+                                    backend=self.backend)
         return ctx, residual
 
     def _forward(self, x: Tensor, bias: Tensor | None, active: bool, seeds: list[int] | list[Tensor],
