@@ -74,6 +74,26 @@ def _adam_slice(
 
 
 @triton.jit
+def _adam_chunk(
+    p_ptr, g_ptr, m_ptr, v_ptr, start, numel, step_size, bc2_sqrt,
+    decay, l2_wd, one_minus_beta1, beta2, one_minus_beta2, eps,
+    ADAM_W_MODE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Elements [start, start + CHUNK) of one tensor of ``numel``: a full chunk without masks
+    (loads and stores vectorize), the tail with them."""
+    if start + CHUNK <= numel:
+        for i in range(CHUNK // BLOCK):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            _adam_slice(p_ptr, g_ptr, m_ptr, v_ptr, offs, None, step_size, bc2_sqrt, decay, l2_wd,
+                        one_minus_beta1, beta2, one_minus_beta2, eps, ADAM_W_MODE, False)
+    else:
+        for i in range(CHUNK // BLOCK):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            _adam_slice(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < numel, step_size, bc2_sqrt, decay, l2_wd,
+                        one_minus_beta1, beta2, one_minus_beta2, eps, ADAM_W_MODE, True)
+
+
+@triton.jit
 def _adam_kernel(
     table, scalars, program_tensor, p_witness, g_witness,
     decay, l2_wd, one_minus_beta1, beta2, one_minus_beta2, eps,
@@ -96,16 +116,8 @@ def _adam_kernel(
     step_size = tl.load(scalars + t * 2)
     bc2_sqrt = tl.load(scalars + t * 2 + 1)
     start = (pid - first) * CHUNK
-    if start + CHUNK <= numel:  # a full chunk: no masks, so loads and stores vectorize
-        for i in range(CHUNK // BLOCK):
-            offs = start + i * BLOCK + tl.arange(0, BLOCK)
-            _adam_slice(p_ptr, g_ptr, m_ptr, v_ptr, offs, None, step_size, bc2_sqrt, decay, l2_wd,
-                        one_minus_beta1, beta2, one_minus_beta2, eps, ADAM_W_MODE, False)
-    else:
-        for i in range(CHUNK // BLOCK):
-            offs = start + i * BLOCK + tl.arange(0, BLOCK)
-            _adam_slice(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < numel, step_size, bc2_sqrt, decay, l2_wd,
-                        one_minus_beta1, beta2, one_minus_beta2, eps, ADAM_W_MODE, True)
+    _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, start, numel, step_size, bc2_sqrt, decay, l2_wd, one_minus_beta1, beta2,
+                one_minus_beta2, eps, ADAM_W_MODE, CHUNK, BLOCK)
 
 
 @triton.jit
@@ -117,16 +129,8 @@ def _adam_flat_kernel(
     """One tensor (a flat ZeRO partition): the pointers and step scalars are kernel arguments, so
     nothing but param, grad and the two moments is read. Program pid: elements [pid * CHUNK, +CHUNK)."""
     start = tl.program_id(0).to(tl.int64) * CHUNK
-    if start + CHUNK <= numel:
-        for i in range(CHUNK // BLOCK):
-            offs = start + i * BLOCK + tl.arange(0, BLOCK)
-            _adam_slice(p_ptr, g_ptr, m_ptr, v_ptr, offs, None, step_size, bc2_sqrt, decay, l2_wd,
-                        one_minus_beta1, beta2, one_minus_beta2, eps, ADAM_W_MODE, False)
-    else:
-        for i in range(CHUNK // BLOCK):
-            offs = start + i * BLOCK + tl.arange(0, BLOCK)
-            _adam_slice(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < numel, step_size, bc2_sqrt, decay, l2_wd,
-                        one_minus_beta1, beta2, one_minus_beta2, eps, ADAM_W_MODE, True)
+    _adam_chunk(p_ptr, g_ptr, m_ptr, v_ptr, start, numel, step_size, bc2_sqrt, decay, l2_wd, one_minus_beta1, beta2,
+                one_minus_beta2, eps, ADAM_W_MODE, CHUNK, BLOCK)
 
 
 def _program_map(numels: tuple[int, ...], device: torch.device) -> tuple[Tensor, list[int], int]:
