@@ -88,3 +88,29 @@ def test_one_kernel_backward_flag_is_checked():
     q = torch.randn(1, 2, 8, 8)
     with pytest.raises(ValueError, match="one_kernel_backward"):
         attention(q, q, q, one_kernel_backward=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_one_kernel_backward_on_a_gpu_follows_the_2x_rule(dtype, causal):
+    """Compiled for the GPU (autotuned blocks, fp16/bf16): the output and gradients are within
+    2x of PyTorch's own error in the dtype (SDPA), against SDPA in fp32, with GQA."""
+    import torch.nn.functional as F
+
+    from tests.utils import assert_close_to_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 333, 64, device="cuda", generator=gen)
+    k, v = (torch.randn(2, 4, 333, 64, device="cuda", generator=gen) for _ in range(2))
+    dout = torch.randn(2, 8, 333, 64, device="cuda", generator=gen)
+
+    def sdpa(*t):
+        return F.scaled_dot_product_attention(*t, is_causal=causal, enable_gqa=True)
+
+    low = [t.to(dtype) for t in (q, k, v)]
+    got = _grads(lambda *t: attention(*t, causal=causal, one_kernel_backward=True, backend="triton"), low, dout.to(dtype))
+    torch_low = _grads(sdpa, low, dout.to(dtype))
+    oracle = _grads(sdpa, (q, k, v), dout)
+    for name, a, lowp, ref in zip(["out", "dq", "dk", "dv"], got, torch_low, oracle):
+        assert_close_to_reference(a, lowp, ref, name=name)
