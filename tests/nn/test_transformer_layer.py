@@ -252,8 +252,8 @@ def test_transformer_layer_triton_path_interpreted(name):
 
 
 class _ComposedLayer(TransformerLayer):
-    """Replaces _bda (as tensor parallelism's layer does): the layer runs its blocks as separate
-    calls (each module's own norm, unpacked attention, a seed drawn per dropout)."""
+    """Replaces _bda (as a user subclass may): the layer runs its blocks as separate calls (each
+    module's own norm, unpacked attention, a seed drawn per dropout)."""
 
     def _bda(self, x, bias, residual, scale=1.0):
         return super()._bda(x, bias, residual, scale)

@@ -66,10 +66,21 @@ def draw_seed(device: torch.device | str) -> Tensor:
     return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
 
 
+def takes_fused_calls(forward: Callable) -> Callable:
+    """Marks a subclass's replacement forward (tensor parallelism's wrappers in
+    tachyon.parallel.tensor) as taking its base class's keyword arguments with the same meaning
+    (``return_bias``, ``return_input_branch``, ``input_is_normalized``), so :func:`own_forward`
+    accepts it and the callers use the fused calls. A further override is unmarked again."""
+    forward.takes_fused_calls = True  # type: ignore[attr-defined]
+    return forward
+
+
 def own_forward(module: nn.Module, cls: type) -> bool:
-    """True when ``module`` runs ``cls``'s own forward, not a subclass's replacement (tensor
-    parallelism's wrappers in tachyon.parallel.tensor), so it takes cls's keyword arguments."""
-    return type(module).forward is cls.forward
+    """True when ``module`` runs ``cls``'s own forward, or a replacement marked with
+    :func:`takes_fused_calls`, so it takes cls's keyword arguments; False for any other
+    subclass's forward."""
+    forward = type(module).forward
+    return forward is cls.forward or getattr(forward, "takes_fused_calls", False)
 
 
 def check_dropout(module: str, name: str, value: object) -> float:
@@ -205,7 +216,12 @@ class DotProductAttention(nn.Module):
         p = self.attention_dropout if self.training else 0.0
         if p == 0:
             return 0.0, None
-        return p, draw_seed(device) if dropout_seed is None else dropout_seed
+        return p, self._draw_seed(device) if dropout_seed is None else dropout_seed
+
+    def _draw_seed(self, device: torch.device) -> Tensor:
+        """The dropout seed of a call that was given none (tensor parallelism's subclass draws a
+        per-rank one: its heads differ across ranks)."""
+        return draw_seed(device)
 
     def forward(
         self, query_layer: Tensor, key_layer: Tensor, value_layer: Tensor,
@@ -383,9 +399,10 @@ class MultiheadAttention(nn.Module):
         )
 
     def fused_calls_supported(self) -> bool:
-        """Whether the input projection and the core attention run tachyon.nn's own forwards, which
-        the packed path (DotProductAttention.forward_packed, return_bias / return_input_branch of
-        the projection) needs; otherwise (tensor-parallel wrappers) the unpacked path runs."""
+        """Whether the input projection and the core attention run tachyon.nn's own forwards (or
+        replacements that take their keyword arguments: tensor parallelism's, see
+        :func:`takes_fused_calls`), which the packed path (DotProductAttention.forward_packed,
+        return_bias / return_input_branch of the projection) needs; otherwise the unpacked path runs."""
         proj = getattr(self, self._input_proj)
         return own_forward(self.core_attention, DotProductAttention) and own_forward(
             proj, LayerNormLinear if self.input_layernorm else Linear)
@@ -427,13 +444,7 @@ class MultiheadAttention(nn.Module):
         # self-attention runs on the packed QKV GEMM output (DotProductAttention.forward_packed): the
         # QKV bias is added by the attention kernels, or, with RoPE, by the GEMM and q and k are
         # rotated inside the op; TE's separate (query, key) angles take the unpacked path
-        tables = None
-        if not cross and rotary_pos_emb is not None:
-            seq = hidden_states.shape[0 if self.qkv_format == "sbhd" else 1]
-            q_tab, k_tab = rotary_tables(rotary_pos_emb, seq)
-            tables = q_tab if k_tab is q_tab else None
-        packed = fused and not cross and (rotary_pos_emb is None or tables is not None)
-        fold_bias = packed and tables is None
+        fold_bias = fused and not cross and rotary_pos_emb is None
         kw = {"return_input_branch": True} if return_input_branch else {}
         if fold_bias:
             kw["return_bias"] = True
@@ -443,6 +454,12 @@ class MultiheadAttention(nn.Module):
         rest = outs[2:] if fold_bias else outs[1:]
         ln_out = rest[0] if self.return_layernorm_output else None
         x_branch = rest[-1] if return_input_branch else None
+        tables = None
+        if fused and not cross and rotary_pos_emb is not None:
+            # the projection's sequence: the full one when a sequence-parallel projection gathered it
+            q_tab, k_tab = rotary_tables(rotary_pos_emb, proj_in.shape[0 if self.qkv_format == "sbhd" else 1])
+            tables = q_tab if k_tab is q_tab else None
+        packed = fold_bias or tables is not None
         h, g = self.num_attention_heads, self.num_gqa_groups
         if packed:
             rope = {}
@@ -475,4 +492,5 @@ class MultiheadAttention(nn.Module):
                 f"input_layernorm={self.input_layernorm}, return_bias={self.return_bias}")
 
 
-__all__ = ["ATTN_MASK_TYPES", "DotProductAttention", "MultiheadAttention", "draw_seed", "own_forward", "te_default_init"]
+__all__ = ["ATTN_MASK_TYPES", "DotProductAttention", "MultiheadAttention", "draw_seed", "own_forward",
+           "takes_fused_calls", "te_default_init"]

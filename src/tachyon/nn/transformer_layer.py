@@ -27,9 +27,12 @@ tests/profiling/test_traffic_layers.py lists them):
   (``bias_dropout_add_layer_norm``, returning h and norm(h)); LayerNormMLP then skips its norm.
 - The dropout seeds of one forward (attention probabilities, both hidden dropouts; and the
   cross-attention's in a decoder) are one ``torch.randint`` draw on the data's device.
-- A subclass that replaces ``_bda`` / ``_bda_norm`` or the submodules' forwards (tensor
-  parallelism's wrappers) gets the same math as separate calls: each module's own norm,
-  unpacked attention, one seed draw per dropout.
+- Tensor parallelism's layer (tachyon.parallel.tensor.fused) runs this same fused path: its
+  submodules' forwards take the same keyword arguments (``attention.takes_fused_calls``) and
+  its ``_seed_draw`` gives the sites whose data is split across ranks per-rank seeds, still in
+  one draw. A subclass that replaces ``_bda`` / ``_bda_norm`` or a submodule's forward otherwise
+  gets the same math as separate calls: each module's own norm, unpacked attention, one seed
+  draw per dropout.
 
 - ``apply_residual_connection_post_layernorm``: the residuals are the norms' outputs instead of
   their inputs.
@@ -257,8 +260,17 @@ class TransformerLayer(nn.Module):
             probs += [self.inter_attention.core_attention.attention_dropout, self.hidden_dropout]
         if not any(p > 0 for p in probs):
             return [None] * sites
-        seeds = torch.randint(0, 2**62, (sites,), dtype=torch.int64, device=x.device).unbind(0)
+        seeds = self._seed_draw(x.device, sites)
         return [seed if p > 0 else None for seed, p in zip(seeds, probs)]
+
+    def _seed_draw(self, device: torch.device, sites: int) -> list[Tensor]:
+        """``sites`` Philox seeds, 0-dim int64 views of one ``torch.randint`` draw on ``device``
+        (tensor parallelism's layer replaces it to give split data per-rank seeds)."""
+        return list(torch.randint(0, 2**62, (sites,), dtype=torch.int64, device=device).unbind(0))
+
+    def _draw_hidden_seed(self, device: torch.device) -> Tensor:
+        """The seed of a hidden dropout called without one (the separate-calls path)."""
+        return draw_seed(device)
 
     def _bda(self, x: Tensor, bias: Tensor | None, residual: Tensor, scale: float = 1.0,
              seed: Tensor | None = None) -> Tensor:
@@ -269,7 +281,7 @@ class TransformerLayer(nn.Module):
             bias = bias * scale if bias is not None else None
         p = self.hidden_dropout if self.training else 0.0
         if p > 0 and seed is None:
-            seed = draw_seed(x.device)
+            seed = self._draw_hidden_seed(x.device)
         return bias_dropout_add(x, bias, residual, p, seed, training=self.training, backend=self.backend)
 
     def _bda_norm(self, x: Tensor, bias: Tensor | None, residual: Tensor, seed: Tensor | None = None) -> Tensor:
@@ -285,7 +297,7 @@ class TransformerLayer(nn.Module):
             bias = bias * scale if bias is not None else None
         p = self.hidden_dropout if self.training else 0.0
         if p > 0 and seed is None:
-            seed = draw_seed(x.device)
+            seed = self._draw_hidden_seed(x.device)
         if isinstance(norm, LayerNormMLP):
             weight, ln_bias, eps = norm.layer_norm_weight, norm.layer_norm_bias, norm.eps
         else:
@@ -297,10 +309,10 @@ class TransformerLayer(nn.Module):
         )
 
     def _fusable(self) -> bool:
-        """True when the layer and its submodules run tachyon.nn's own methods, whose fused calls
-        (one seed draw, norm2 inside the residual add, residual branches out of the norms) the
-        forward uses; a subclass that replaces them (tensor parallelism's wrappers, which place
-        collectives and per-rank dropout streams in those methods) gets the plain composition."""
+        """True when the layer and its submodules run tachyon.nn's own methods (or forwards that
+        take their keyword arguments: tensor parallelism's, see ``attention.takes_fused_calls``),
+        whose fused calls (one seed draw, norm2 inside the residual add, residual branches out of
+        the norms) the forward uses; a subclass that replaces them gets the plain composition."""
         cls = type(self)
         if cls._bda is not TransformerLayer._bda or cls._bda_norm is not TransformerLayer._bda_norm:
             return False

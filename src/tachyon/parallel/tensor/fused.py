@@ -14,13 +14,22 @@ collectives (tachyon.parallel.tensor.comm) between the same kernels the module r
                          fc2 row-parallel -> one all-reduce (reduce-scatter) -> fc2 bias
     TransformerLayer     the two above; residual adds, dropouts and the output norm stay as they are
 
+The parallel forwards take the single-device modules' keyword arguments (``return_bias``,
+``return_input_branch``, ``input_is_normalized``; marked with ``takes_fused_calls``), so a
+tensor-parallel TransformerLayer runs the single-device layer's fused path: x's residual
+gradient summed by norm1's backward, packed attention with the QKV bias (or RoPE) inside, the
+residual add fused with the MLP's norm, one seed draw per forward. With sequence parallelism the
+norms and the residual adds run on this rank's sequence slice and the column-parallel GEMMs
+gather it (the norm's output, the tensor the single-device layer passes on).
+
 Per layer and micro-batch: 2 all-reduces of [tokens, hidden] forward and 2 backward (Megatron's
 count); with sequence parallelism each becomes a reduce-scatter plus an all-gather.
 
 With sequence parallelism, the norms' parameters and the biases added after the reduce-scatter
 see only this rank's tokens; their gradients are summed over tp (comm.all_reduce_grads_over_tp).
 Dropout on split data (attention probabilities always; the hidden dropouts with sequence
-parallelism) runs under tp_distinct_rng (tachyon.parallel.tensor.rng).
+parallelism) gets per-rank seeds: in the layer's one draw (tachyon.parallel.tensor.rng.tp_seeds),
+or, for a call drawing its own seed, under tp_distinct_rng.
 """
 
 from __future__ import annotations
@@ -28,16 +37,16 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from tachyon.fp8.linear import fp8_linear
-from tachyon.nn.attention import DotProductAttention, MultiheadAttention
+from tachyon.nn.attention import DotProductAttention, MultiheadAttention, takes_fused_calls
 from tachyon.nn.layernorm_linear import LayerNormLinear, apply_norm
 from tachyon.nn.layernorm_mlp import GATED, LayerNormMLP, te_activation
 from tachyon.nn.linear import Linear, check_input, compute_dtype, te_outputs
-from tachyon.nn.transformer_layer import TransformerLayer
+from tachyon.nn.transformer_layer import _SITE_ATTN_PROBS, _SITE_INTER_PROBS, TransformerLayer
 from tachyon.parallel.tensor.comm import (
     TPGroup, all_reduce_grads_over_tp, copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp,
 )
 from tachyon.parallel.tensor.layers import swap_class, to_column_parallel, to_row_parallel
-from tachyon.parallel.tensor.rng import tp_distinct_rng
+from tachyon.parallel.tensor.rng import tp_distinct_rng, tp_seeds
 from tachyon.parallel.tensor.shard import check_shardable, shard_parameter
 
 
@@ -62,28 +71,38 @@ def _mark_replicated_grads(params, tp: TPGroup, sequence_parallel: bool) -> None
 class ParallelLayerNormLinear(LayerNormLinear):
     """LayerNormLinear with a column-parallel GEMM: the norm runs on the (replicated, or with
     sequence parallelism this rank's sequence slice of the) input, then the GEMM on the local
-    output features. forward as LayerNormLinear, out [..., out_features / tp] (full sequence);
-    ln_out, when returned, is the norm's output before the gather (what the residual needs)."""
+    output features. forward as LayerNormLinear (return_bias, return_input_branch included), out
+    [..., out_features / tp] (full sequence), bias this rank's slice; ln_out and the input branch,
+    when returned, are before the gather (this rank's slice: what the residual needs)."""
 
-    def forward(self, x: Tensor, is_first_microbatch: bool | None = None):
+    @takes_fused_calls
+    def forward(self, x: Tensor, is_first_microbatch: bool | None = None, *, return_bias: bool | None = None,
+                return_input_branch: bool = False):
         check_input("LayerNormLinear", x, self.in_features)
+        return_bias = self.return_bias if return_bias is None else return_bias
         dtype = compute_dtype(self.weight, x)
-        ln_out = apply_norm(self, x.to(dtype), dtype)
+        ln_out = apply_norm(self, x.to(dtype), dtype, return_input_branch)
+        ln_out, x_branch = ln_out if return_input_branch else (ln_out, None)
         bias = self.bias.to(dtype) if self.bias is not None else None
-        out = fp8_linear(_enter_gemm(ln_out, self), self.weight.to(dtype), None if self.return_bias else bias,
+        out = fp8_linear(_enter_gemm(ln_out, self), self.weight.to(dtype), None if return_bias else bias,
                          self.fp8_scaling["gemm"], is_first_microbatch=is_first_microbatch)
-        return te_outputs(out, bias, ln_out, self.return_bias, self.return_layernorm_output)
+        result = te_outputs(out, bias, ln_out, return_bias, self.return_layernorm_output)
+        if not return_input_branch:
+            return result
+        return (*(result if isinstance(result, tuple) else (result,)), x_branch)
 
 
 class ParallelLayerNormMLP(LayerNormMLP):
     """LayerNormMLP with fc1 column-parallel and fc2 row-parallel (``ffn_hidden_size`` is the local
-    count). forward as LayerNormMLP: x [..., hidden] -> y [..., hidden] (this rank's sequence slice
-    with sequence parallelism); fc2_bias is added after the sum."""
+    count). forward as LayerNormMLP (input_is_normalized included): x [..., hidden] -> y
+    [..., hidden] (x and y this rank's sequence slice with sequence parallelism); fc2_bias is
+    added after the sum."""
 
-    def forward(self, x: Tensor, is_first_microbatch: bool | None = None):
+    @takes_fused_calls
+    def forward(self, x: Tensor, is_first_microbatch: bool | None = None, *, input_is_normalized: bool = False):
         check_input("LayerNormMLP", x, self.hidden_size)
         dtype = compute_dtype(self.fc1_weight, x)
-        ln_out = apply_norm(self, x.to(dtype), dtype)
+        ln_out = x.to(dtype) if input_is_normalized else apply_norm(self, x.to(dtype), dtype)
         h = fp8_linear(_enter_gemm(ln_out, self), self.fc1_weight.to(dtype), None, self.fp8_scaling["fc1"],
                        is_first_microbatch=is_first_microbatch)
         fc1_bias = self.fc1_bias.to(dtype) if self.fc1_bias is not None else None
@@ -97,31 +116,29 @@ class ParallelLayerNormMLP(LayerNormMLP):
 
 
 class ParallelDotProductAttention(DotProductAttention):
-    """DotProductAttention over this rank's heads; attention dropout draws a per-rank stream."""
+    """DotProductAttention over this rank's heads; a call given no dropout seed draws it from a
+    per-rank stream (TransformerLayer passes per-rank seeds from its one draw)."""
 
-    def forward(self, *args, **kwargs):
-        if self.training and self.attention_dropout > 0:
-            device = args[0].device if args else kwargs["query_layer"].device
-            with tp_distinct_rng(device, self.tp.rank):
-                return super().forward(*args, **kwargs)
-        return super().forward(*args, **kwargs)
+    def _draw_seed(self, device):
+        with tp_distinct_rng(device, self.tp.rank):
+            return super()._draw_seed(device)
 
 
 class ParallelTransformerLayer(TransformerLayer):
-    """TransformerLayer whose hidden dropouts draw a per-rank stream under sequence parallelism
-    (each rank drops out different tokens); otherwise unchanged (its submodules are parallel)."""
+    """TransformerLayer (its fused path) whose one seed draw gives the dropouts on split data
+    per-rank seeds: the attention probabilities always (each rank holds other heads), the hidden
+    dropouts under sequence parallelism (each rank holds other tokens); the hidden dropouts on
+    replicated activations keep one seed on every rank, or the replicas would drift apart."""
 
-    def _bda(self, x, bias, residual, scale=1.0):
-        if self.sequence_parallel and self.training and self.hidden_dropout > 0:
-            with tp_distinct_rng(x.device, self.tp.rank):
-                return super()._bda(x, bias, residual, scale)
-        return super()._bda(x, bias, residual, scale)
+    def _seed_draw(self, device, sites):
+        split = [site in (_SITE_ATTN_PROBS, _SITE_INTER_PROBS) or self.sequence_parallel for site in range(sites)]
+        return tp_seeds(device, self.tp.size, self.tp.rank, split)
 
-    def _bda_norm(self, x, bias, residual):
-        if self.sequence_parallel and self.training and self.hidden_dropout > 0:
-            with tp_distinct_rng(x.device, self.tp.rank):
-                return super()._bda_norm(x, bias, residual)
-        return super()._bda_norm(x, bias, residual)
+    def _draw_hidden_seed(self, device):
+        if self.sequence_parallel:
+            with tp_distinct_rng(device, self.tp.rank):
+                return super()._draw_hidden_seed(device)
+        return super()._draw_hidden_seed(device)
 
 
 def _set(module: nn.Module, tp: TPGroup, sequence_parallel: bool, seq_dim: int) -> None:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tachyon.fp8.linear import fp8_linear
+from tachyon.nn.attention import takes_fused_calls
 from tachyon.nn.linear import Linear, check_input, compute_dtype, te_outputs
 from tachyon.parallel.tensor.comm import (
     TPGroup, all_reduce_grads_over_tp, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
@@ -83,16 +84,18 @@ def _gemm(module: nn.Module, x: Tensor, bias: Tensor | None, is_first_microbatch
 class _ColumnParallel:
     """forward of the column-parallel layers (mixed into tachyon's Linear and torch's nn.Linear)."""
 
-    def forward(self, x: Tensor, is_first_microbatch: bool | None = None):
+    @takes_fused_calls
+    def forward(self, x: Tensor, is_first_microbatch: bool | None = None, *, return_bias: bool | None = None):
         check_input("ColumnParallelLinear", x, self.in_features)
+        return_bias = self.return_bias if return_bias is None else return_bias
         x = gather_from_sp(x, self.tp, self.seq_dim) if self.sequence_parallel else copy_to_tp(x, self.tp)
         bias = self.bias.to(compute_dtype(self.weight, x)) if self.bias is not None else None
-        y = _gemm(self, x, None if self.return_bias else bias, is_first_microbatch)
+        y = _gemm(self, x, None if return_bias else bias, is_first_microbatch)
         if self.gather_output:
             y = gather_from_tp(y, self.tp, -1)
-            if bias is not None and self.return_bias:
+            if bias is not None and return_bias:
                 bias = gather_from_tp(bias, self.tp, -1)
-        return te_outputs(y, bias, None, self.return_bias, False)
+        return te_outputs(y, bias, None, return_bias, False)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local), tp={self.tp.size}, "
@@ -102,7 +105,9 @@ class _ColumnParallel:
 class _RowParallel:
     """forward of the row-parallel layers (mixed into tachyon's Linear and torch's nn.Linear)."""
 
-    def forward(self, x: Tensor, is_first_microbatch: bool | None = None):
+    @takes_fused_calls
+    def forward(self, x: Tensor, is_first_microbatch: bool | None = None, *, return_bias: bool | None = None):
+        return_bias = self.return_bias if return_bias is None else return_bias
         if not self.input_is_parallel:
             check_input("RowParallelLinear", x, self.in_features * self.tp.size)
             x = scatter_to_tp(x, self.tp, -1)
@@ -110,7 +115,7 @@ class _RowParallel:
         y = _gemm(self, x, None, is_first_microbatch)
         y = reduce_scatter_to_sp(y, self.tp, self.seq_dim) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         bias = self.bias.to(y.dtype) if self.bias is not None else None
-        if self.return_bias:
+        if return_bias:
             return y, bias
         return y + bias if bias is not None else y
 
@@ -129,9 +134,9 @@ class ColumnParallelLinear(_ColumnParallel, Linear):
     arguments as tachyon.nn.Linear; the full weight is initialized (same on every rank for the
     same seed) and then sliced, so a model starts from the same values at any tp.
 
-    forward(x [..., in_features], is_first_microbatch=None) -> [..., out_features / tp]
-    ([..., out_features] with gather_output); with return_bias, (y, bias) where bias is this
-    rank's slice (gathered with gather_output). ``out_features`` is the local count after
+    forward(x [..., in_features], is_first_microbatch=None, *, return_bias=None) -> [..., out_features / tp]
+    ([..., out_features] with gather_output); with return_bias (the module's setting unless given
+    for the call), (y, bias) where bias is this rank's slice (gathered with gather_output). ``out_features`` is the local count after
     construction. Saved for backward: what tachyon.nn.Linear saves.
     """
 
@@ -150,8 +155,9 @@ class RowParallelLinear(_RowParallel, Linear):
     sequence_parallel / seq_dim: the sum is a reduce-scatter along seq_dim (y split along the
     sequence) instead of an all-reduce. The bias is replicated and added once, after the sum.
 
-    forward(x [..., in_features / tp], is_first_microbatch=None) -> [..., out_features] (split
-    along seq_dim with sequence parallelism); with return_bias, (y without bias, bias).
+    forward(x [..., in_features / tp], is_first_microbatch=None, *, return_bias=None) -> [..., out_features]
+    (split along seq_dim with sequence parallelism); with return_bias (the module's setting unless
+    given for the call), (y without bias, bias).
     ``in_features`` is the local count after construction. Saved for backward: what
     tachyon.nn.Linear saves.
     """

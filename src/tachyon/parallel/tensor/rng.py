@@ -15,6 +15,11 @@ with a mix of that value and the tp rank for the block, then restores the device
 default streams advance by exactly one CPU draw on every rank, so replicated regions stay in
 step; and the block's randomness is a function of the generator state on entry, so activation
 checkpointing (which restores that state before recomputing) recomputes the same masks.
+
+:func:`tp_seeds` serves a caller that passes its dropouts explicit seeds from one draw per
+forward (TransformerLayer's ``_seed_draw``): every rank draws the same [tp, sites] table from the
+device's default generator (one launch, the streams stay in step), and a site takes row
+``tp_rank`` where its data is split across ranks, row 0 where it is replicated.
 """
 
 from __future__ import annotations
@@ -48,4 +53,12 @@ def tp_distinct_rng(device: torch.device | str, tp_rank: int) -> Iterator[None]:
         generator.set_state(saved)
 
 
-__all__ = ["tp_distinct_rng"]
+def tp_seeds(device: torch.device | str, tp_size: int, tp_rank: int, distinct: list[bool]) -> list[torch.Tensor]:
+    """One Philox seed per dropout site (0-dim int64 views of one ``torch.randint`` draw of
+    [tp_size, len(distinct)] on ``device``'s default generator): the same on every tp rank where
+    ``distinct[i]`` is False, this rank's own where it is True."""
+    table = torch.randint(0, 2**62, (tp_size, len(distinct)), dtype=torch.int64, device=device)
+    return [table[tp_rank if split else 0, site] for site, split in enumerate(distinct)]
+
+
+__all__ = ["tp_distinct_rng", "tp_seeds"]
