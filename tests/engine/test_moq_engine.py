@@ -368,7 +368,7 @@ def test_bad_sections_are_refused_before_anything_changes(section, match):
 
 
 def test_a_model_without_linear_weights_and_tensor_parallelism_are_refused():
-    with pytest.raises(ConfigError, match="no trainable nn.Linear"):
+    with pytest.raises(ConfigError, match="no trainable GEMM weight to quantize"):
         tachyon.initialize(model=torch.nn.Sequential(torch.nn.Embedding(10, 4)), config=config(), optimizer=adamw())
     with pytest.raises(ConfigError, match="tensor_parallel.tp_size"):
         tachyon.config.load_config(config(tensor_parallel={"tp_size": 2}), world_size=2)
@@ -445,3 +445,37 @@ def test_small_gpt_trained_with_quantize_training_loads_into_int8_inference():
         int8_logits = inference(val).logits
     worst = float((int8_logits - logits).abs().max())
     assert worst <= 1e-4 * float(logits.abs().max()), f"INT8 logits differ from the trained model's by {worst}"
+
+
+@pytest.mark.parametrize("model_kind", ["gpt", "bert"])
+def test_tachyon_layers_are_quantized_too(one_thread, model_kind):
+    """tachyon's own modules (TransformerLayer's LayerNormLinear / Linear / LayerNormMLP, the
+    fused BERT kernel layer) hold their GEMM weights themselves: MoQ snaps those, not only
+    nn.Linear; the tied LM head and the norms stay float."""
+    from tachyon.train.models import GPT, BertMLM
+
+    torch.manual_seed(0)
+    if model_kind == "gpt":
+        model = GPT(64, hidden_size=32, num_layers=2, num_heads=4, max_seq_len=16)
+        names = {"self_attention.layernorm_qkv.weight", "self_attention.proj.weight", "layernorm_mlp.fc1_weight",
+                 "layernorm_mlp.fc2_weight"}
+    else:
+        model = BertMLM(64, hidden_size=32, num_layers=2, num_heads=4, max_seq_len=16, max_batch_size=4)
+        names = {"attn_qkvw", "attn_ow", "inter_w", "output_w"}
+    engine, *_ = tachyon.initialize(model=model, config=config(micro=4), optimizer=adamw(1e-3))
+    quantized = {name for name, _, _ in engine.quantizer.weights}
+    extra = {"transform.weight"} if model_kind == "bert" else set()  # the MLM head's dense nn.Linear
+    assert quantized == {f"layers.{i}.{n}" for i in range(2) for n in names} | extra, sorted(quantized)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        ids = torch.randint(4, 64, (4, 16), generator=gen)
+        labels = ids.roll(-1, dims=1) if model_kind == "gpt" else torch.where(ids % 3 == 0, ids, -100)
+        engine.backward(engine(ids, labels=labels))
+        engine.step()
+    bits = engine.quantizer.bits
+    assert bits < 8
+    params = dict(model.named_parameters())
+    for name in quantized:
+        assert off_grid(params[name].detach(), bits) < 1e-4, f"{name} is off the {bits}-bit grid"
+    embedding = model.token_embedding.weight
+    assert off_grid(embedding.detach(), bits) > 0.1, "the embedding / tied head must stay float"

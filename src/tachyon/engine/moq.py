@@ -8,7 +8,8 @@
 The schedule and the grid are the standalone ``MoQ``'s (`tachyon.inference.moq.MoQSchedule`):
 after every optimizer step that was taken (not an fp16 overflow; on the accumulation boundary
 only) the schedule counts a step and, once ``schedule_offset`` has passed, every trained
-``nn.Linear`` / HF ``Conv1D`` weight the model holds is replaced by the snap of its
+GEMM weight the model holds (``nn.Linear``, HF ``Conv1D``, tachyon.nn's fused modules;
+`tachyon.inference.moq.quantizable_weights`) is replaced by the snap of its
 full-precision value. Forward and backward see the snapped weights; the optimizer keeps updating
 the full-precision values (straight-through). Where those live depends on the ZeRO strategy
 (`tachyon.engine.zero`):
@@ -56,8 +57,9 @@ def check_moq_inputs(model: torch.nn.Module, config: TachyonConfig, tp_size: int
         )
     if not any(p.requires_grad for _, p, _ in quantizable_weights(model)):
         raise ConfigError(
-            f"`quantize_training.enabled: true`, but {type(model).__name__} has no trainable nn.Linear / Conv1D "
-            "weight to quantize (embeddings, norms and a tied LM head stay float); disable quantize_training"
+            f"`quantize_training.enabled: true`, but {type(model).__name__} has no trainable GEMM weight to quantize "
+            "(nn.Linear, HF Conv1D, tachyon.nn's Linear / LayerNormLinear / LayerNormMLP / TransformerKernelLayer; "
+            "embeddings, norms and a tied LM head stay float); disable quantize_training"
         )
 
 

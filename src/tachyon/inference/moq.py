@@ -66,15 +66,38 @@ from tachyon.kernels.int8_linear import fake_quantize
 
 logger = logging.getLogger(__name__)
 
+# GEMM weights ([out, in]) of tachyon's own modules, by class name: (attribute, ...)
+_TACHYON_LINEAR_WEIGHTS = {
+    "Linear": ("weight",), "LayerNormLinear": ("weight",), "LayerNormMLP": ("fc1_weight", "fc2_weight"),
+    "TransformerKernelLayer": ("attn_qkvw", "attn_ow", "inter_w", "output_w"),
+}
+
+
+def _linear_weights(module: nn.Module) -> list[tuple[str, bool]]:
+    """(attribute, transposed) of the GEMM weights ``module`` holds itself: an nn.Linear's, an HF
+    Conv1D's ([in, out]: transposed) or those of tachyon.nn's fused modules."""
+    if isinstance(module, nn.Linear):
+        return [("weight", False)]
+    kind = type(module).__name__
+    if kind == "Conv1D":
+        return [("weight", True)]
+    if type(module).__module__.startswith("tachyon.nn") and kind in _TACHYON_LINEAR_WEIGHTS:
+        return [(attr, False) for attr in _TACHYON_LINEAR_WEIGHTS[kind]
+                if isinstance(getattr(module, attr, None), nn.Parameter)]
+    return []
+
+
 def quantizable_weights(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
-    """(name, weight, transposed) of every nn.Linear / HF Conv1D weight not shared with an
+    """(name, weight, transposed) of every GEMM weight (nn.Linear, HF Conv1D, tachyon.nn's
+    Linear / LayerNormLinear / LayerNormMLP / TransformerKernelLayer) not shared with an
     embedding (the tied LM head stays float, as in INT8 inference)."""
     embedding_ptrs = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
     out = []
     for name, module in model.named_modules():
-        conv1d = type(module).__name__ == "Conv1D"
-        if (isinstance(module, nn.Linear) or conv1d) and module.weight.data_ptr() not in embedding_ptrs:
-            out.append((f"{name}.weight", module.weight, conv1d))
+        for attr, transposed in _linear_weights(module):
+            weight = getattr(module, attr)
+            if weight.data_ptr() not in embedding_ptrs:
+                out.append((f"{name}.{attr}" if name else attr, weight, transposed))
     return out
 
 
@@ -157,7 +180,8 @@ class MoQ:
         self.schedule = MoQSchedule(config if isinstance(config, MoQConfig) else MoQConfig.from_dict(config))
         self.weights = quantizable_weights(model)
         if not self.weights:
-            raise ValueError(f"MoQ: {type(model).__name__} has no nn.Linear / Conv1D weights to quantize")
+            raise ValueError(f"MoQ: {type(model).__name__} has no GEMM weights to quantize (nn.Linear, HF Conv1D, "
+                             "tachyon.nn's Linear / LayerNormLinear / LayerNormMLP / TransformerKernelLayer)")
         self.master = {id(p): p.detach().float().clone() for _, p, _ in self.weights}
 
     config = property(lambda self: self.schedule.config)
