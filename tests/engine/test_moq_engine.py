@@ -479,3 +479,30 @@ def test_tachyon_layers_are_quantized_too(one_thread, model_kind):
         assert off_grid(params[name].detach(), bits) < 1e-4, f"{name} is off the {bits}-bit grid"
     embedding = model.token_embedding.weight
     assert off_grid(embedding.detach(), bits) > 0.1, "the embedding / tied head must stay float"
+
+
+def test_tachyon_gpt_trained_with_moq_loads_into_int8_inference_unchanged(one_thread):
+    """tachyon's own GPT: MoQ through the engine straight on the 8-bit grid, then INT8 inference
+    with the engine's quant config (the tachyon GPT injection policy) gives the trained logits."""
+    pytest.importorskip("transformers")
+    from tachyon.train.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(100, hidden_size=32, num_layers=2, num_heads=4, max_seq_len=16, position="rope")
+    moq = {"enabled": True, "quantize_bits": {"start_bits": 8, "target_bits": 8}}
+    engine, *_ = tachyon.initialize(model=model, config=config(moq, micro=4), optimizer=adamw(1e-3))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        ids = torch.randint(0, 100, (4, 16), generator=gen)
+        engine.backward(engine(ids, labels=ids.roll(-1, dims=1)))
+        engine.step()
+    ids = torch.randint(0, 100, (2, 16), generator=gen)
+    with torch.no_grad():
+        logits = model.logits(ids)
+    inference = tachyon.init_inference(copy.deepcopy(model).eval(), dtype=torch.float32,
+                                       quant=engine.quantizer.inference_quant())
+    assert any(getattr(m, "quantized", False) for m in inference.module.modules()), "no INT8 layer was built"
+    with torch.no_grad():
+        int8_logits = inference(ids).logits
+    worst = float((int8_logits - logits).abs().max())
+    assert worst <= 1e-4 * float(logits.abs().max()), f"INT8 logits differ from the trained model's by {worst}"

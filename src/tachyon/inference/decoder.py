@@ -8,7 +8,8 @@ A step runs s new tokens of every sequence through all layers:
     cache.past                                     slots already filled (the same for every row)
     attention_mask [batch, s] (1 = token, 0 = pad) marks padding slots -inf in cache.bias for good
 
-and returns logits [batch, s or 1, vocab] (or hidden states for a base model). Prefill is one
+and returns logits [batch, s or 1, vocab] (or hidden states for a base model); vocab is the
+weights' ``vocab_size`` when set (the LM head's first rows; tachyon's GPT pads its embedding). Prefill is one
 step over the whole prompt (flash attention over the new keys), decode one step per token
 (decode_attention over the cache).
 """
@@ -75,6 +76,8 @@ class InjectedDecoder(nn.Module):
         tied = w.lm_head is not None and w.lm_head.data_ptr() == w.embed.data_ptr() and w.lm_head.shape == w.embed.shape
         self.lm_head = self.embed if tied else param(w.lm_head)
         self.lm_head_bias = param(w.lm_head_bias)
+        # the head's rows past vocab_size (an embedding padded to a multiple of 64) never produce a logit
+        self.vocab_size = w.vocab_size
         self.rotary_interleaved = False
         if w.rotary is not None:
             self.register_buffer("rope_cos", w.rotary.cos.to(device=device, dtype=torch.float32).contiguous())
@@ -126,12 +129,17 @@ class InjectedDecoder(nn.Module):
         hidden, _ = self.final_norm(delta, residual)
         if self.lm_head is None:
             return hidden
-        return F.linear(hidden, self.lm_head, self.lm_head_bias)
+        head, head_bias = self.lm_head, self.lm_head_bias
+        if self.vocab_size is not None:
+            head = head[:self.vocab_size]
+            head_bias = None if head_bias is None else head_bias[:self.vocab_size]
+        return F.linear(hidden, head, head_bias)
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of weights one decode step reads: the layers' GEMM weights (+ INT8 scales), the
         norms, and the LM head (the embedding rows read are negligible)."""
         gemm = sum(m.weight_bytes() for m in self.modules() if hasattr(m, "weight_bytes") and m is not self)
         norms = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if "ln" in n or "norm" in n)
-        head = 0 if self.lm_head is None else self.lm_head.numel() * self.lm_head.element_size()
+        rows = 0 if self.lm_head is None else min(self.lm_head.shape[0], self.vocab_size or self.lm_head.shape[0])
+        head = 0 if self.lm_head is None else rows * self.lm_head.shape[1] * self.lm_head.element_size()
         return {"layers_gemm": gemm, "norms": norms, "lm_head": head, "total": gemm + norms + head}

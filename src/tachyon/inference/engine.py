@@ -6,9 +6,11 @@
 
 Three kinds of engine, by what init_inference did to the model:
 
-- "decoder" (kernel injection of GPT-2 / GPT-Neo / GPT-J / Llama-style): ``engine.module`` is an
-  :class:`InjectedDecoder`; forward returns ``CausalLMOutputWithPast`` (logits, and a loss with
-  ``labels``) or, for a base model, ``BaseModelOutputWithPast``; generate runs tachyon's KV cache.
+- "decoder" (kernel injection of GPT-2 / GPT-Neo / GPT-J / Llama-style / tachyon's GPT):
+  ``engine.module`` is an :class:`InjectedDecoder`; forward returns ``CausalLMOutputWithPast``
+  (logits, and a loss with ``labels``) or, for a base model, ``BaseModelOutputWithPast``; generate
+  runs tachyon's KV cache. A model without an HF ``generation_config`` (tachyon's GPT) generates
+  from HF's ``GenerationConfig()`` defaults: no eos or pad id unless the call passes them.
 - "encoder" (BERT / RoBERTa): ``engine.module`` is the HF model with its layers replaced; forward
   and everything else are HF's.
 - "hf" (no kernel injection: dtype only, or tensor slicing alone with ``injection_policy``):
@@ -52,7 +54,7 @@ class InferenceEngine(nn.Module):
         if config.enable_cuda_graph:
             if kind != "decoder":
                 raise ValueError("enable_cuda_graph=True captures the decode step of a kernel-injected decoder "
-                                 f"(GPT-2, GPT-Neo, GPT-J, Llama-style); this engine is {kind!r}")
+                                 f"(GPT-2, GPT-Neo, GPT-J, Llama-style, tachyon GPT); this engine is {kind!r}")
             from tachyon.inference.cuda_graph import GraphPool
 
             self._graphs = GraphPool(module, config.max_out_tokens)
@@ -105,7 +107,7 @@ class InferenceEngine(nn.Module):
         """HF's generate: same kwargs, same tokens (see tachyon.inference.generate)."""
         if self.kind == "encoder":
             raise ValueError(f"{type(self._hf_model[0]).__name__} is an encoder; generate needs a causal LM "
-                             "(GPT-2, GPT-Neo, GPT-J, Llama-style)")
+                             "(GPT-2, GPT-Neo, GPT-J, Llama-style, tachyon GPT)")
         if self.kind == "hf":
             return self.module.generate(input_ids, **kwargs)
         if not self.module.is_lm:

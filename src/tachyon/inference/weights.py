@@ -83,6 +83,8 @@ class DecoderWeights:
     pos_embed: Tensor | None = None  # learned absolute positions [max_positions, hidden]
     rotary: Rotary | None = None
     max_positions: int | None = None
+    vocab_size: int | None = None  # logit columns: the first vocab_size rows of lm_head (None: all of them);
+    # set when the embedding has padding rows that are never answers (tachyon's GPT)
 
 
 @dataclasses.dataclass

@@ -9,6 +9,7 @@
 | GPT-Neo | GPTNeoModel, GPTNeoForCausalLM | whole decoder (local layers: sliding window) |
 | GPT-J | GPTJModel, GPTJForCausalLM | whole decoder (interleaved partial rotary, parallel block) |
 | Llama-style | Llama*, Mistral*, Qwen2* (Model, ForCausalLM) | whole decoder (RoPE, GQA, RMSNorm, SwiGLU, windows) |
+| tachyon GPT | tachyon.train.models.GPT (no HF config) | whole decoder (learned positions / RoPE, vocab_size logits) |
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from tachyon.inference.policies.base import Policy
 from tachyon.inference.policies.bert import BertPolicy
 from tachyon.inference.policies.gpt import GPT2Policy, GPTJPolicy, GPTNeoPolicy
 from tachyon.inference.policies.llama import LlamaPolicy
+from tachyon.inference.policies.tachyon import TachyonGPTPolicy
 
-POLICIES: tuple[type[Policy], ...] = (BertPolicy, GPT2Policy, GPTNeoPolicy, GPTJPolicy, LlamaPolicy)
+POLICIES: tuple[type[Policy], ...] = (BertPolicy, GPT2Policy, GPTNeoPolicy, GPTJPolicy, LlamaPolicy, TachyonGPTPolicy)
 
 
 def supported_classes() -> list[str]:
