@@ -83,6 +83,30 @@ def _check_segments(segments: object, num_segments: object, numel: int) -> list[
     return rows
 
 
+def lamb_update(state: dict, p: Tensor, group: dict) -> tuple[int, Tensor, Tensor]:
+    """Advance Adam's moments of ``p`` (``state``) with its gradient; returns (the step count, p
+    as fp32 (itself when fp32), LAMB's update m / (sqrt(v) + eps) + weight_decay * p)."""
+    beta1, beta2 = group["betas"]
+    t = advance_adam_state(state, p)
+    g = p.grad.float()
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    p32 = p if p.dtype == torch.float32 else p.float()
+    u = m / v.sqrt().add_(group["eps"])
+    if group["weight_decay"] != 0.0:
+        u.add_(p32, alpha=group["weight_decay"])
+    return t, p32, u
+
+
+def lamb_step_size(group: dict, t: int) -> float:
+    """lr, bias-corrected for step ``t`` when the group asks for it."""
+    if not group["bias_correction"]:
+        return group["lr"]
+    beta1, beta2 = group["betas"]
+    return group["lr"] * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
+
+
 class Lamb(torch.optim.Optimizer):
     """LAMB (DeepSpeed FusedLamb semantics) with per-parameter trust ratios, flat partitions included.
 
@@ -142,27 +166,14 @@ class Lamb(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            beta1, beta2 = group["betas"]
             p32s, updates, step_sizes = [], [], []
             for p in params:
                 if p.grad.is_sparse:
                     raise ValueError("Lamb: sparse gradients are not supported")
-                state = self.state[p]
-                t = advance_adam_state(state, p)
-                g = p.grad.float()
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(beta1).add_(g, alpha=1.0 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-                p32 = p if p.dtype == torch.float32 else p.float()
-                u = m / v.sqrt().add_(group["eps"])
-                if group["weight_decay"] != 0.0:
-                    u.add_(p32, alpha=group["weight_decay"])
+                t, p32, u = lamb_update(self.state[p], p, group)
                 p32s.append(p32)
                 updates.append(u)
-                if group["bias_correction"]:
-                    step_sizes.append(group["lr"] * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t))
-                else:
-                    step_sizes.append(group["lr"])
+                step_sizes.append(lamb_step_size(group, t))
             if "segments" in group:
                 self._step_segments(group, p32s[0], updates[0], step_sizes[0])
             else:

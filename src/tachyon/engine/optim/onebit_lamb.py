@@ -45,13 +45,12 @@ get whole.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from tachyon.engine.optim._state import advance_adam_state
+from tachyon.engine.optim.lamb import lamb_step_size, lamb_update
 from tachyon.engine.optim.onebit import OneBitOptimizer, SegmentPlan, check_onebit_arguments
 from tachyon.parallel.compression import DEFAULT_BLOCK_SIZE
 
@@ -120,15 +119,7 @@ class OneBitLamb(OneBitOptimizer):
             state[key] = torch.full((plan.num_segments,), fill, dtype=torch.float32, device=plan.ids.device)
         return state[key]
 
-    @staticmethod
-    def _step_size(group: dict, t: int) -> float:
-        if not group["bias_correction"]:
-            return group["lr"]
-        beta1, beta2 = group["betas"]
-        return group["lr"] * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
-
     def _warmup_group(self, group: dict, plan: SegmentPlan) -> None:
-        beta1, beta2 = group["betas"]
         p32s: list[Tensor | None] = []
         updates: list[Tensor | None] = []
         steps: list[int] = []
@@ -139,17 +130,9 @@ class OneBitLamb(OneBitOptimizer):
                 steps.append(0)
                 continue
             state = self.state[p]
-            t = advance_adam_state(state, p)
-            g = p.grad.float()
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            m.mul_(beta1).add_(g, alpha=1.0 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            t, p32, u = lamb_update(state, p, group)
             if t == self.freeze_step:
-                state["exp_avg_sq_fresh"] = v.clone()
-            p32 = p if p.dtype == torch.float32 else p.float()
-            u = m / v.sqrt().add_(group["eps"])
-            if group["weight_decay"] != 0.0:
-                u.add_(p32, alpha=group["weight_decay"])
+                state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
             p32s.append(p32)
             updates.append(u)
             steps.append(t)
@@ -163,7 +146,7 @@ class OneBitLamb(OneBitOptimizer):
         for i, (p, p32, u, t) in enumerate(zip(group["params"], p32s, updates, steps)):
             if u is None:
                 continue
-            coeff = plan.expand(ratio, i, 0.0) * self._step_size(group, t)
+            coeff = plan.expand(ratio, i, 0.0) * lamb_step_size(group, t)
             p32.sub_(u.mul_(coeff))
             if p32 is not p:
                 p.copy_(p32)
@@ -204,7 +187,7 @@ class OneBitLamb(OneBitOptimizer):
         self._lamb_coeffs.append(coeff)
         for i, (p, p32, update) in enumerate(zip(group["params"], p32s, updates)):
             state = self.state[p]
-            step_size = self._step_size(group, int(state["step"]))
+            step_size = lamb_step_size(group, int(state["step"]))
             p32.sub_(update.mul_(plan.expand(coeff, i, 0.0) * step_size))
             if p32 is not p:
                 p.copy_(p32)
