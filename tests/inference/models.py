@@ -46,14 +46,14 @@ def make_model(name: str, seed: int = 0, init_std: float | None = None):
     return model
 
 
-def prompts(batch_lengths=(9, 4, 6), seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask): prompts of the given lengths, left-padded with token 0."""
+def prompts(batch_lengths=(9, 4, 6), seed: int = 1, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask): prompts of the given lengths (ids 3..vocab-1), left-padded with token 0."""
     g = torch.Generator().manual_seed(seed)
     width = max(batch_lengths)
     ids = torch.zeros(len(batch_lengths), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, n in enumerate(batch_lengths):
-        ids[row, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+        ids[row, width - n:] = torch.randint(3, vocab, (n,), generator=g)
         mask[row, width - n:] = 1
     return ids, mask
 

@@ -15,6 +15,7 @@ import torch
 import tachyon
 from tachyon.nn import TransformerLayer
 from tachyon.train.models import GPT
+from tests.inference.models import prompts as left_padded_prompts
 from tests.utils import assert_close, run_distributed
 
 pytest.importorskip("transformers", reason="transformers is not installed (the engine's forward output types)")
@@ -43,25 +44,13 @@ def make_gpt(name: str, seed: int = 0, init_std: float = 0.15, **overrides) -> G
     model = GPT(VOCAB, **kwargs).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, init_std)
-            elif "norm" in pname and "weight" in pname:
-                p.normal_(1.0, init_std)
-            else:
-                p.normal_(0.0, init_std)
+            norm_weight = p.dim() == 1 and "norm" in pname and "weight" in pname
+            p.normal_(1.0 if norm_weight else 0.0, init_std)
     return model
 
 
 def prompts(batch_lengths=(9, 4, 6), seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask): prompts of the given lengths, left-padded with token 0."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(batch_lengths)
-    ids = torch.zeros(len(batch_lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(batch_lengths):
-        ids[row, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[row, width - n:] = 1
-    return ids, mask
+    return left_padded_prompts(batch_lengths, seed, vocab=VOCAB)
 
 
 def greedy_reference(model: GPT, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
