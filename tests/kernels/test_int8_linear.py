@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from tachyon.kernels.int8_linear import (
-    dequantize, fake_quantize, int8_linear, int8_linear_reference, quantize_symmetric, scale_group_size,
+    dequantize, fake_quantize, int8_linear, int8_linear_reference, norm_int8_linear, quantize_symmetric,
+    scale_group_size,
 )
 from tests.utils import assert_close, assert_close_to_reference
 
@@ -42,6 +43,94 @@ def test_matches_fp64_reference(device, dtype, backend, shape):
     else:  # plain PyTorch in the same dtype: F.linear with the dequantized weight in that dtype
         lowp = F.linear(x, dequantize(q, scales).to(dtype), bias)
         assert_close_to_reference(out, lowp, oracle, name="out")
+
+
+ACTS = [("gelu_tanh", None, None), ("gelu", 32, 2), ("silu", None, 3), ("swiglu", None, None), ("swiglu", 32, 2),
+        ("geglu", None, 2), ("relu", 16, None)]
+
+
+@pytest.mark.parametrize("device,dtype", CPU + GPU)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("activation,group_size,split_k", ACTS, ids=str)
+def test_activation_epilogue_matches_bias_act(device, dtype, backend, activation, group_size, split_k):
+    """act(x W~^T + b) in the GEMM's epilogue (and in the split-K reduce kernel) = the fp64 GEMM
+    followed by bias_act's reference; gated activations read [gate | value] row halves."""
+    from tachyon.kernels.activation.reference import bias_act_forward, is_gated
+
+    m, n, k = 5, 2 * 19, 96
+    x, q, scales, bias, _ = _case(m, n, k, group_size, dtype, device, seed=3)
+    out = int8_linear(x, q, scales, bias, activation=activation, split_k=split_k, backend=backend)
+    width = n // 2 if is_gated(activation) else n
+    assert out.dtype == dtype and out.shape == (m, width)
+    oracle = bias_act_forward(int8_linear_reference(x.double(), q, scales), bias.double(), activation)
+    assert_close(oracle, int8_linear_reference(x.double(), q, scales, bias.double(), activation=activation),
+                 name="reference")
+    # plain PyTorch in the same dtype: the unfused GEMM, then the bias and activation
+    lowp = bias_act_forward(F.linear(x, dequantize(q, scales).to(dtype)), bias, activation)
+    assert_close_to_reference(out, lowp, oracle, name="out")
+
+
+def test_activation_fused_equals_unfused_chain_in_fp32():
+    """The decode MLP's fc1 in one launch computes what int8_linear then bias_act computed."""
+    from tachyon.kernels.activation import bias_act
+
+    x, q, scales, bias, _ = _case(3, 40, 64, None, torch.float32, "cpu", seed=4)
+    for activation in ("gelu_tanh", "swiglu"):
+        fused = int8_linear(x, q, scales, bias, activation=activation, backend="triton")
+        chain = bias_act(int8_linear(x, q, scales, backend="triton"), bias, activation, backend="triton")
+        assert_close(fused, chain, name=activation)
+
+
+NORM_CASES = [(False, True, None, None, None), (True, True, "gelu_tanh", 32, 2), (False, False, "swiglu", None, 3),
+              (True, False, None, None, 2)]
+
+
+@pytest.mark.parametrize("device,dtype", CPU + [("cpu", torch.bfloat16)] + GPU)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("rms,with_residual,activation,group_size,split_k", NORM_CASES, ids=str)
+def test_norm_prologue_matches_the_norm_then_the_gemm(device, dtype, backend, rms, with_residual, activation,
+                                                      group_size, split_k):
+    """norm_int8_linear = layer_norm / rms_norm (with the residual add) then int8_linear: the
+    norm's output is rounded to x's dtype as the norm kernel returns it, z = x + residual."""
+    from tachyon.kernels.layernorm import layer_norm, rms_norm
+
+    m, n, k = 5, 38, 96
+    x, q, scales, bias, _ = _case(m, n, k, group_size, dtype, device, seed=5)
+    g = torch.Generator().manual_seed(6)
+    residual = torch.randn(m, k, generator=g).to(device, dtype) if with_residual else None
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+    nb = None if rms else (0.1 * torch.randn(k, generator=g)).to(device, dtype)
+    y, z = norm_int8_linear(x, nw, nb, q, scales, bias, residual=residual, rms=rms, eps=1e-5, activation=activation,
+                            split_k=split_k, backend=backend)
+    if rms:
+        h, z_ref = rms_norm(x, nw, residual=residual, eps=1e-5, return_residual=True, backend="torch")
+    else:
+        h, z_ref = layer_norm(x, nw, nb, residual=residual, eps=1e-5, return_residual=True, backend="torch")
+    expected = int8_linear(h, q, scales, bias, activation=activation, backend="torch")
+    if with_residual:
+        assert torch.equal(z, z_ref), "z must be x + residual rounded to x's dtype, as the norm returns it"
+    else:
+        assert z is x
+    # the 2x-of-PyTorch rule against the same chain in fp64 (the unfused chain in x's dtype is PyTorch's)
+    from tachyon.kernels.layernorm.reference import norm_forward
+
+    z64 = z_ref.double()  # the sum rounded to x's dtype is the norm's input on both paths
+    h64 = norm_forward(z64, nw.double(), None if rms else nb.double(), None, 1e-5, rms)[0]
+    oracle = int8_linear_reference(h64, q, scales, bias.double(), activation=activation)
+    assert_close_to_reference(y, expected, oracle, name="y")
+
+
+def test_norm_prologue_refuses_bad_norm_arguments():
+    x, q, scales, bias, _ = _case(2, 8, 32, None, torch.float32, "cpu")
+    w = torch.ones(32)
+    with pytest.raises(ValueError, match="norm_weight has shape"):
+        norm_int8_linear(x, torch.ones(31), None, q, scales)
+    with pytest.raises(ValueError, match="RMSNorm"):
+        norm_int8_linear(x, w, torch.zeros(32), q, scales, rms=True)
+    with pytest.raises(ValueError, match="residual must have x's shape"):
+        norm_int8_linear(x, w, None, q, scales, residual=x[:1])
+    with pytest.raises(ValueError, match="eps"):
+        norm_int8_linear(x, w, None, q, scales, eps=-1.0)
 
 
 def test_leading_dims_and_no_bias():
@@ -101,6 +190,8 @@ def test_deepspeed_q_groups_layouts():
     (lambda x, q, s: int8_linear(x, q, s[:, :1].repeat(1, 3)), "dividing"),
     (lambda x, q, s: int8_linear(x, q, s, torch.zeros(3)), "bias"),
     (lambda x, q, s: int8_linear(x.int(), q, s), "dtype"),
+    (lambda x, q, s: int8_linear(x, q, s, activation="tanh"), "activation='tanh' is not supported"),
+    (lambda x, q, s: int8_linear(x, q[:7], s[:7], activation="swiglu"), "must be even"),
     (lambda x, q, s: quantize_symmetric(q.float(), 9), "num_bits"),
     (lambda x, q, s: quantize_symmetric(q.float(), 8, group_size=5), "group_size"),
 ])

@@ -108,3 +108,26 @@ def test_bad_input_is_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         rotary_kv_append(args["qkv"], args["positions"], args["cos"], args["sin"], args["kc"], args["vc"],
                          args["lengths"], heads=4, kv_heads=2)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_q_in_place_is_a_view_of_qkv_and_the_cache_is_unchanged(backend):
+    """Without rotary, q_in_place returns qkv's q heads as a view (nothing copied) and writes the
+    same cache slots as the copying call."""
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(2, 3, (4 + 2 * 2) * 16, generator=g)
+    positions = torch.zeros(2, 3, dtype=torch.long)
+    lengths = torch.tensor([0, 2], dtype=torch.int32)
+    caches = []
+    for in_place in (False, True):
+        kc, vc = torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16)
+        q = rotary_kv_append(qkv, positions, None, None, kc, vc, lengths, heads=4, kv_heads=2, q_in_place=in_place,
+                             backend=backend)
+        caches.append((q, kc, vc))
+    (q_copy, kc0, vc0), (q_view, kc1, vc1) = caches
+    assert q_view.shape == q_copy.shape == (2, 4, 3, 16)
+    assert q_view.data_ptr() == qkv.data_ptr() and q_view.stride(-1) == 1, "q must be a view of qkv"
+    assert torch.equal(q_view, q_copy) and torch.equal(kc0, kc1) and torch.equal(vc0, vc1)
+    with pytest.raises(ValueError, match="only without rotary"):
+        cos, sin = rope_frequencies(16, 16)
+        rotary_kv_append(qkv, positions, cos, sin, kc0, vc0, lengths, heads=4, kv_heads=2, q_in_place=True)

@@ -115,12 +115,12 @@ class InjectedDecoder(nn.Module):
         graph (cache.past, a host int, only selects the prefill or the decode attention path)."""
         seq = input_ids.shape[1]
         x = F.embedding(input_ids, self.embed)
-        if self.pos_embed is not None:
-            x = x + F.embedding(positions, self.pos_embed)
+        # learned positions: added inside the first layer's norm (its residual input), not by an add
+        pos = None if self.pos_embed is None else F.embedding(positions, self.pos_embed)
         rotary = None if self.rope_cos is None else (self.rope_cos, self.rope_sin, self.rotary_interleaved)
         state = StepState(positions=positions, lengths_before=cache.lengths, lengths_after=cache.lengths + seq,
                           past=cache.past, bias=cache.bias if cache.has_padding else None, rotary=rotary)
-        delta, residual = x, None
+        delta, residual = x, pos
         for index, layer in enumerate(self.layers):
             delta, residual = layer(delta, residual, *cache.layer(index), state)
         cache.lengths.add_(seq)

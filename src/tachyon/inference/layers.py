@@ -6,12 +6,16 @@ that every residual add runs fused into the next norm):
 
     h, x    = norm1(delta, residual=residual)              one kernel: x = delta + residual, h = norm(x)
     qkv     = h @ Wqkv^T + bqkv                            one GEMM (q | k | v rows), INT8 or float
+                                                            (INT8: the norm runs inside it, h is never
+                                                            written: norm_int8_linear; norm2 + fc1 alike)
     q       = rotary_kv_append(qkv, positions, ...)        RoPE on q, k; k, v written into the cache
+                                                            (no RoPE: q stays in qkv, read in place)
     a       = attention(q, cache)                          prefill: flash attention over the new keys;
                                                             decode / windowed: decode_attention (split-K)
     a       = all_reduce(a @ Wo^T) + bo                    row-parallel under tensor slicing
     h2, x2  = norm2(a, residual=x)                         (GPT-J: no norm2, the MLP reads h too)
-    m       = all_reduce(act(h2 @ W1^T + b1) @ W2^T) + b2  bias + activation fused (bias_act)
+    m       = all_reduce(act(h2 @ W1^T + b1) @ W2^T) + b2  bias + activation fused (bias_act; INT8: in
+                                                            the fc1 GEMM's epilogue)
     return (m, x2)                                         GPT-J: (a + m, x)
 
 Encoder layer (HF BertLayer / RobertaLayer, post-LN), called by HF's own encoder with HF's masks:
@@ -38,7 +42,7 @@ from tachyon.inference.weights import (
 from tachyon.kernels.activation import bias_act
 from tachyon.kernels.attention import attention
 from tachyon.kernels.decode_attention import decode_attention
-from tachyon.kernels.int8_linear import int8_linear, quantize_symmetric
+from tachyon.kernels.int8_linear import int8_linear, norm_int8_linear, quantize_symmetric
 from tachyon.kernels.kv_append import rotary_kv_append
 from tachyon.kernels.layernorm import layer_norm, rms_norm
 
@@ -102,12 +106,30 @@ class InferenceNorm(nn.Module):
         return layer_norm(x, self.weight, self.bias, residual=residual, eps=self.eps, return_residual=True)
 
 
+def norm_linear(norm: InferenceNorm, linear: InferenceLinear, x: Tensor, residual: Tensor | None, *,
+                activation: str | None = None, act_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(act(linear(norm(x + residual)) + act_bias), x + residual).
+
+    When ``linear`` is INT8 (and not row-parallel) this is one launch: the norm runs in the GEMM's
+    prologue and the bias + activation in its epilogue (norm_int8_linear), so neither the norm's
+    output nor the pre-activation is written. Otherwise: the norm kernel, the GEMM, and bias_act
+    when ``activation`` is given (``linear`` then has no bias of its own: act_bias is its bias)."""
+    if linear.quantized and linear.reduce_group is None:
+        return norm_int8_linear(x, norm.weight, norm.bias, linear.qweight, linear.scales,
+                                act_bias if activation is not None else linear.bias, residual=residual,
+                                rms=norm.kind == "rms", eps=norm.eps, activation=activation)
+    h, z = norm(x, residual)
+    y = linear(h)
+    return (y if activation is None else bias_act(y, act_bias, activation)), z
+
+
 def _linear(weights: list[Tensor], biases: list[Tensor | None], **kw: Any) -> InferenceLinear:
     return InferenceLinear(torch.cat(weights) if len(weights) > 1 else weights[0], fused_bias(weights, biases), **kw)
 
 
 class InferenceMLP(nn.Module):
-    """fc2(act(fc1(x))): fc1 is one GEMM over [gate | up] rows when gated; bias + activation fused."""
+    """fc2(act(fc1(x))): fc1 is one GEMM over [gate | up] rows when gated; bias + activation fused
+    (into fc1's GEMM when its weight is INT8)."""
 
     def __init__(self, mlp: MLPWeights, group: Any, **kw: Any) -> None:
         super().__init__()
@@ -119,7 +141,17 @@ class InferenceMLP(nn.Module):
         self.fc2 = InferenceLinear(mlp.fc2, mlp.fc2_bias, reduce_group=group, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(bias_act(self.fc1(x), self.fc1_bias, self.activation))
+        fc1 = self.fc1
+        if fc1.quantized:  # the bias and activation run in the INT8 GEMM's epilogue: one launch
+            h = int8_linear(x, fc1.qweight, fc1.scales, self.fc1_bias, activation=self.activation)
+        else:
+            h = bias_act(fc1(x), self.fc1_bias, self.activation)
+        return self.fc2(h)
+
+    def forward_norm(self, norm: InferenceNorm, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(self(norm(x + residual)), x + residual), the norm fused into fc1 (see norm_linear)."""
+        h, z = norm_linear(norm, self.fc1, x, residual, activation=self.activation, act_bias=self.fc1_bias)
+        return self.fc2(h), z
 
 
 @dataclass
@@ -156,11 +188,13 @@ class DecoderLayer(nn.Module):
         self.out = InferenceLinear(a.out, a.out_bias, reduce_group=group, **kw)
         self.mlp = InferenceMLP(w.mlp, group, **kw)
 
-    def attention(self, h: Tensor, k_cache: Tensor, v_cache: Tensor, step: StepState) -> Tensor:
-        batch, seq, _ = h.shape
+    def attention(self, qkv: Tensor, k_cache: Tensor, v_cache: Tensor, step: StepState) -> Tensor:
+        """qkv: the QKV GEMM's output [batch, s, (heads + 2 kv_heads) * head_dim]."""
+        batch, seq, _ = qkv.shape
         cos, sin, interleaved = step.rotary if step.rotary is not None else (None, None, False)
-        q = rotary_kv_append(self.qkv(h), step.positions, cos, sin, k_cache, v_cache, step.lengths_before,
-                             heads=self.heads, kv_heads=self.kv_heads, interleaved=interleaved)
+        q = rotary_kv_append(qkv, step.positions, cos, sin, k_cache, v_cache, step.lengths_before,
+                             heads=self.heads, kv_heads=self.kv_heads, interleaved=interleaved,
+                             q_in_place=cos is None)  # no rotary: attention reads q in the GEMM output
         if step.past == 0 and (self.window is None or seq <= self.window):
             bias = None if step.bias is None else step.bias[:, :seq]
             o = attention(q, k_cache[:, :, :seq], v_cache[:, :, :seq], causal=True, key_padding_bias=bias,
@@ -172,13 +206,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, delta: Tensor, residual: Tensor | None, k_cache: Tensor, v_cache: Tensor,
                 step: StepState) -> tuple[Tensor, Tensor]:
-        """(delta, residual) in, (delta, residual) out; the hidden state is their sum."""
-        h, x = self.ln1(delta, residual)
-        a = self.attention(h, k_cache, v_cache, step)
-        if self.ln2 is None:  # parallel attention and MLP (GPT-J)
-            return a + self.mlp(h), x
-        h2, x2 = self.ln2(a, x)
-        return self.mlp(h2), x2
+        """(delta, residual) in, (delta, residual) out; the hidden state is their sum. INT8: each
+        norm runs inside the GEMM after it (norm_linear)."""
+        if self.ln2 is None and not self.qkv.quantized:  # GPT-J: attention and MLP read one norm output
+            h, x = self.ln1(delta, residual)
+            return self.attention(self.qkv(h), k_cache, v_cache, step) + self.mlp(h), x
+        qkv, x = norm_linear(self.ln1, self.qkv, delta, residual)
+        a = self.attention(qkv, k_cache, v_cache, step)
+        if self.ln2 is None:  # GPT-J, INT8: fc1 runs ln1 in its prologue as the QKV GEMM did
+            return a + self.mlp.forward_norm(self.ln1, x, None)[0], x
+        return self.mlp.forward_norm(self.ln2, a, x)
 
 
 class EncoderLayer(nn.Module):

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tachyon.kernels.activation.reference import bias_act_forward
+
 
 def _check_bits(num_bits: int, most: int = 8) -> int:
     if isinstance(num_bits, bool) or not isinstance(num_bits, int) or not 2 <= num_bits <= most:
@@ -94,11 +96,16 @@ def fake_quantize(weight: torch.Tensor, num_bits: int = 8, *, group_size: int | 
 
 def int8_linear_reference(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None, *,
-    backend: str | None = None,
+    activation: str | None = None, backend: str | None = None,
 ) -> torch.Tensor:
-    """y = x @ dequantize(Q, scales)^T + bias in fp32 (fp64 for fp64 x), returned in x's dtype.
-    x [..., K], qweight int8 [N, K], scales [N, G], bias [N] or None -> [..., N]. ``backend`` is ignored."""
+    """y = act(x @ dequantize(Q, scales)^T + bias) in fp32 (fp64 for fp64 x), returned in x's dtype.
+    x [..., K], qweight int8 [R, K], scales [R, G], bias [R] or None -> [..., R], or [..., R / 2]
+    for a gated ``activation`` (kernels/activation's names and math: the bias is added, then the
+    activation, with no rounding in between). ``backend`` is ignored."""
     del backend
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     w = dequantize(qweight, scales).to(acc)
-    return F.linear(x.to(acc), w, bias.to(acc) if bias is not None else None).to(x.dtype)
+    h = F.linear(x.to(acc), w, bias.to(acc) if bias is not None else None)
+    if activation is not None:
+        h = bias_act_forward(h, None, activation)
+    return h.to(x.dtype)

@@ -25,20 +25,21 @@ OP = "rotary_kv_append"
 @fused_op("tachyon::rotary_kv_append", mutates_args=("k_cache", "v_cache"))
 def _rotary_kv_append(
     qkv: Tensor, positions: Tensor, cos: Tensor | None, sin: Tensor | None, k_cache: Tensor, v_cache: Tensor,
-    cache_lengths: Tensor, heads: int, kv_heads: int, interleaved: bool, backend: str,
+    cache_lengths: Tensor, heads: int, kv_heads: int, interleaved: bool, write_q: bool, backend: str,
 ) -> Tensor:
     if backend == "triton":
         from tachyon.kernels.kv_append import triton as tri
 
         return tri.rotary_kv_append(qkv, positions, cos, sin, k_cache, v_cache, cache_lengths, heads, kv_heads,
-                                    interleaved)
+                                    interleaved, write_q)
     return reference.rotary_kv_append_reference(qkv, positions, cos, sin, k_cache, v_cache, cache_lengths,
-                                                heads=heads, kv_heads=kv_heads, interleaved=interleaved)
+                                                heads=heads, kv_heads=kv_heads, interleaved=interleaved,
+                                                write_q=write_q)
 
 
 @_rotary_kv_append.register_fake
-def _(qkv, positions, cos, sin, k_cache, v_cache, cache_lengths, heads, kv_heads, interleaved, backend):
-    return qkv.new_empty((qkv.shape[0], heads, qkv.shape[1], k_cache.shape[-1]))
+def _(qkv, positions, cos, sin, k_cache, v_cache, cache_lengths, heads, kv_heads, interleaved, write_q, backend):
+    return qkv.new_empty((qkv.shape[0], heads if write_q else 0, qkv.shape[1], k_cache.shape[-1]))
 
 
 def _shape(t: object) -> object:
@@ -47,7 +48,8 @@ def _shape(t: object) -> object:
 
 def rotary_kv_append(
     qkv: Tensor, positions: Tensor, cos: Tensor | None, sin: Tensor | None, k_cache: Tensor, v_cache: Tensor,
-    cache_lengths: Tensor, *, heads: int, kv_heads: int, interleaved: bool = False, backend: str | None = None,
+    cache_lengths: Tensor, *, heads: int, kv_heads: int, interleaved: bool = False, q_in_place: bool = False,
+    backend: str | None = None,
 ) -> Tensor:
     """Split qkv, rotate q and k at ``positions``, append k and v to the cache; returns rotated q.
 
@@ -58,6 +60,10 @@ def rotary_kv_append(
     [batch, kv_heads, capacity, head_dim] in qkv's dtype, written at slots cache_lengths[b] + t;
     cache_lengths: int32/int64 [batch] with cache_lengths + s <= capacity (not checked on the
     device; the caller owns the lengths). Returns q [batch, heads, s, head_dim] contiguous. No gradient.
+    ``q_in_place`` (no rotary only): q is neither read nor copied by the kernel; the returned q is a
+    view of qkv's q heads ([batch, heads, s, head_dim] with qkv's strides, unit stride in
+    head_dim), which the attention ops read in place: a decode step then moves q once, not three
+    times.
     """
     if not isinstance(qkv, Tensor) or qkv.dim() != 3:
         raise ValueError(f"{OP}: qkv must be a 3-d tensor [batch, seq, (heads + 2 kv_heads) * head_dim]; got {_shape(qkv)}")
@@ -99,6 +105,11 @@ def rotary_kv_append(
                              f"rotary_dim in [2, head_dim={head_dim}]")
     if not isinstance(interleaved, bool):
         raise ValueError(f"{OP}: interleaved must be True or False; got {interleaved!r}")
+    if not isinstance(q_in_place, bool):
+        raise ValueError(f"{OP}: q_in_place must be True or False; got {q_in_place!r}")
+    if q_in_place and cos is not None:
+        raise ValueError(f"{OP}: q_in_place=True returns q unrotated, as a view of qkv; it is allowed only "
+                         "without rotary (cos=None, sin=None)")
     check_same_device(OP, qkv=qkv, positions=positions, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
                       cache_lengths=cache_lengths)
     if torch.is_grad_enabled() and qkv.requires_grad:
@@ -106,9 +117,12 @@ def rotary_kv_append(
     chosen = resolve(qkv, backend)
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    return _rotary_kv_append(qkv, positions.contiguous(), None if cos is None else cos.contiguous(),
-                             None if sin is None else sin.contiguous(), k_cache, v_cache, cache_lengths,
-                             heads, kv_heads, interleaved, chosen)
+    q = _rotary_kv_append(qkv, positions.contiguous(), None if cos is None else cos.contiguous(),
+                          None if sin is None else sin.contiguous(), k_cache, v_cache, cache_lengths,
+                          heads, kv_heads, interleaved, not q_in_place, chosen)
+    if q_in_place:
+        return qkv[..., :heads * head_dim].unflatten(-1, (heads, head_dim)).transpose(1, 2)
+    return q
 
 
 __all__ = ["rotary_kv_append"]

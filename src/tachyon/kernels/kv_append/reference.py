@@ -33,10 +33,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bo
 def rotary_kv_append_reference(
     qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
     k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lengths: torch.Tensor, *, heads: int, kv_heads: int,
-    interleaved: bool = False, backend: str | None = None,
+    interleaved: bool = False, write_q: bool = True, backend: str | None = None,
 ) -> torch.Tensor:
-    """Returns q_out [batch, heads, s, head_dim] (contiguous, qkv's dtype); writes k_cache/v_cache
-    in place (see the module docstring). ``backend`` is ignored."""
+    """Returns q_out [batch, heads, s, head_dim] (contiguous, qkv's dtype; [batch, 0, s, head_dim]
+    without ``write_q``); writes k_cache/v_cache in place (see the module docstring). ``backend``
+    is ignored."""
     del backend
     batch, seq, _ = qkv.shape
     head_dim = k_cache.shape[-1]
@@ -50,4 +51,4 @@ def rotary_kv_append_reference(
     # advanced indices around a slice: the indexed view is [batch, seq, kv_heads, head_dim]
     k_cache[rows, :, slots] = k.to(k_cache.dtype)
     v_cache[rows, :, slots] = v.to(v_cache.dtype)
-    return q.transpose(1, 2).contiguous()
+    return q.transpose(1, 2).contiguous() if write_q else q.new_empty((batch, 0, seq, head_dim))

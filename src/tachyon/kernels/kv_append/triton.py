@@ -33,7 +33,8 @@ def _kv_append_kernel(
     QKV, POS, COS, SIN, KC, VC, LENS, QO, S, HQ, HK, D, R,
     stride_qkv_b, stride_qkv_s, stride_pos_b, stride_cos, stride_kc_b, stride_kc_h, stride_kc_s,
     stride_vc_b, stride_vc_h, stride_vc_s, stride_qo_b, stride_qo_h, stride_qo_s,
-    ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr, WRITE_Q: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     b = pid // S
@@ -56,8 +57,9 @@ def _kv_append_kernel(
         coef = sign * tl.load(SIN + p * stride_cos + cols, mask=in_rot, other=0.0)
     slot = tl.load(LENS + b).to(tl.int64) + t
     src = b * stride_qkv_b + t * stride_qkv_s
-    _heads(QKV, QO, src, b * stride_qo_b + t * stride_qo_s, D, stride_qo_h, HQ, D, cols, partner, c, coef,
-           ROTATE, BLOCK_H)
+    if WRITE_Q:
+        _heads(QKV, QO, src, b * stride_qo_b + t * stride_qo_s, D, stride_qo_h, HQ, D, cols, partner, c, coef,
+               ROTATE, BLOCK_H)
     _heads(QKV, KC, src + HQ * D, b * stride_kc_b + slot * stride_kc_s, D, stride_kc_h, HK, D, cols, partner, c,
            coef, ROTATE, BLOCK_H)
     _heads(QKV, VC, src + (HQ + HK) * D, b * stride_vc_b + slot * stride_vc_s, D, stride_vc_h, HK, D, cols,
@@ -67,13 +69,14 @@ def _kv_append_kernel(
 def rotary_kv_append(
     qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
     k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lengths: torch.Tensor, heads: int, kv_heads: int,
-    interleaved: bool,
+    interleaved: bool, write_q: bool = True,
 ) -> torch.Tensor:
     """qkv [b, s, (h + 2 hk) d] (unit stride in the last dim), positions [b, s] int, cos/sin fp32
-    [P, r] (unit stride) or None, caches [b, hk, S, d] (unit stride in d). Returns q_out [b, h, s, d]."""
+    [P, r] (unit stride) or None, caches [b, hk, S, d] (unit stride in d). Returns q_out [b, h, s, d]
+    (without ``write_q``: q is not read or written, and q_out is [b, 0, s, d])."""
     batch, seq, _ = qkv.shape
     d = k_cache.shape[-1]
-    q_out = torch.empty((batch, heads, seq, d), dtype=qkv.dtype, device=qkv.device)
+    q_out = torch.empty((batch, heads if write_q else 0, seq, d), dtype=qkv.dtype, device=qkv.device)
     if batch * seq == 0:
         return q_out
     rotate = cos is not None
@@ -84,7 +87,7 @@ def rotary_kv_append(
         seq, heads, kv_heads, d, cos.shape[1] if rotate else 0,
         qkv.stride(0), qkv.stride(1), positions.stride(0), cos.stride(0) if rotate else 0,
         *k_cache.stride()[:3], *v_cache.stride()[:3], *q_out.stride()[:3],
-        ROTATE=rotate, INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_D=block_d,
+        ROTATE=rotate, INTERLEAVED=interleaved, WRITE_Q=write_q, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=4 if block_h * block_d <= 2048 else 8,
     )
     return q_out
