@@ -1,7 +1,7 @@
 """Bytes moved and kernel launches per training step of a unit, counted exactly on CPU, beside the
 module a user would otherwise run and beside the minimum the shapes allow.
 
-Units (batch 1, fp32 and bf16; forward + backward unless said):
+Units (batch 1, or each of --batches; fp32 and bf16; forward + backward unless said):
 
     bert       TransformerKernelLayer (post-LN, BERT-Large width: hidden 1024, 16 heads, ffn 4096,
                dropout 0.1), without memory flags and with each flag, at seq 128 and 512, vs HF
@@ -36,7 +36,11 @@ Scaling: everything but attention is linear in tokens (batch * seq); attention's
 are linear in tokens too (flash keeps no [seq, seq] tensor; HF eager's scores are batch * heads *
 seq^2), and its requested bytes (re-reads of K/V per query block) grow with seq^2 / BLOCK_M
 (interpreter tiles are 32 x 32; a GPU's 64-128 re-read 2-4x less). Counts at batch B are B times
-the batch-1 counts for the elementwise part; launches do not change with shapes.
+the batch-1 counts for the elementwise part; launches do not change with shapes. The GEMMs' weight
+traffic does not grow with the batch at all, and at batch 1 it is most of a layer's bytes (HF's and
+tachyon's alike): ``--batches 1,2`` (or 1,2,4, to check the line) gives each variant's per-step and
+per-sequence bytes and from them the bytes at issue 14's GPU benchmark batch (seq 128 x 64, seq
+512 x 16), where activations dominate as they do in training; see ``scaling_rows``.
 
 Grids: under the interpreter the backward kernels run few programs, so their fp32 partial sums
 (one row per program) are small; a GPU runs 4-8 programs per SM and writes and reads that many
@@ -48,6 +52,7 @@ the partial sums an H100 run would move.
     python benchmarks/bench_traffic.py --smoke              # tiny shapes: checks that the script runs
     python benchmarks/bench_traffic.py --units bert --seqs 512 --dtypes fp32 --flags none --as-gpu-sms 132
     python benchmarks/bench_traffic.py --units bert --seqs 512 --dtypes fp32 --flags none
+    python benchmarks/bench_traffic.py --units bert,gpt,llama --seqs 128 --dtypes fp32 --flags none --batches 1,2,4
     --out FILE  the markdown report (default benchmarks/results/<today>-cpu-traffic.md); CSV rows
     go to $TACHYON_BENCH_OUT or benchmarks/results/latest/bench_traffic.csv.
 
@@ -91,8 +96,9 @@ class Result:
     seq: int
     counter: object  # TrafficCounter
     minimum: object | None = None  # traffic_minimum.Minimum (decode: weights + KV cache, launches 0 = not stated)
-    anchor: str | None = None  # variant name of the anchor in the same unit/dtype/seq
+    anchor: str | None = None  # variant name of the anchor in the same unit/dtype/seq/batch
     seconds: float = 0.0
+    batch: int = 1  # sequences per step (bert, gpt, llama; decode keeps its batch in seq)
 
 
 # --- the HF modules as a GPU runs them --------------------------------------------------------
@@ -134,7 +140,7 @@ def _step(module, x, grad, **kw):
 # --- units ---------------------------------------------------------------------------------------
 
 
-def bert_units(seq: int, dtype_name: str, flags: list[str]) -> list[Result]:
+def bert_units(seq: int, dtype_name: str, flags: list[str], batch: int = 1) -> list[Result]:
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertLayer
 
@@ -142,8 +148,8 @@ def bert_units(seq: int, dtype_name: str, flags: list[str]) -> list[Result]:
     from tachyon.profiling.traffic_minimum import bert_layer_minimum
 
     dtype = DTYPES[dtype_name]
-    x = torch.randn(1, seq, HIDDEN).to(dtype).requires_grad_()
-    grad = torch.randn(1, seq, HIDDEN).to(dtype)
+    x = torch.randn(batch, seq, HIDDEN).to(dtype).requires_grad_()
+    grad = torch.randn(batch, seq, HIDDEN).to(dtype)
     results = []
     for name, impl, p_attn in (("HF BertLayer (eager)", "eager", DROPOUT), ("HF BertLayer (flash)", "sdpa", 0.0)):
         config = BertConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, intermediate_size=FFN,
@@ -151,19 +157,19 @@ def bert_units(seq: int, dtype_name: str, flags: list[str]) -> list[Result]:
         config._attn_implementation = impl
         layer = BertLayer(config).to(dtype).train()
         counter, seconds = count(_step, layer, x, grad)
-        results.append(Result("bert", name, dtype_name, seq, counter, bert_layer_minimum(1, seq, HIDDEN, FFN, HEADS, dtype),
-                              None, seconds))
+        results.append(Result("bert", name, dtype_name, seq, counter,
+                              bert_layer_minimum(batch, seq, HIDDEN, FFN, HEADS, dtype), None, seconds, batch))
     for flag in flags:
         kw = {} if flag == "none" else {flag: True}
         config = TransformerKernelConfig(
-            batch_size=1, max_seq_length=seq, hidden_size=HIDDEN, intermediate_size=FFN, heads=HEADS,
+            batch_size=batch, max_seq_length=seq, hidden_size=HIDDEN, intermediate_size=FFN, heads=HEADS,
             attn_dropout_ratio=DROPOUT, hidden_dropout_ratio=DROPOUT, num_hidden_layers=24, initializer_range=0.02,
             seed=1234, pre_layer_norm=False, bf16=dtype == torch.bfloat16, **kw)
         layer = TransformerKernelLayer(config, backend="triton").train()
         counter, seconds = count(_step, layer, x, grad)
-        minimum = bert_layer_minimum(1, seq, HIDDEN, FFN, HEADS, dtype, **kw)
+        minimum = bert_layer_minimum(batch, seq, HIDDEN, FFN, HEADS, dtype, **kw)
         results.append(Result("bert", f"tachyon BERT kernel layer ({flag})", dtype_name, seq, counter, minimum,
-                              "HF BertLayer (eager)", seconds))
+                              "HF BertLayer (eager)", seconds, batch))
     return results
 
 
@@ -171,20 +177,20 @@ def _hf_causal_mask(seq: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.full((seq, seq), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
 
 
-def te_units(kind: str, seq: int, dtype_name: str) -> list[Result]:
+def te_units(kind: str, seq: int, dtype_name: str, batch: int = 1) -> list[Result]:
     from tachyon.nn import TransformerLayer
     from tachyon.nn.rope import RotaryTables
     from tachyon.profiling.traffic_minimum import transformer_layer_minimum
 
     dtype = DTYPES[dtype_name]
-    x = torch.randn(1, seq, HIDDEN).to(dtype).requires_grad_()
-    grad = torch.randn(1, seq, HIDDEN).to(dtype)
+    x = torch.randn(batch, seq, HIDDEN).to(dtype).requires_grad_()
+    grad = torch.randn(batch, seq, HIDDEN).to(dtype)
     results = []
     if kind == "gpt":
         from transformers import GPT2Config
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-        minimum = transformer_layer_minimum(1, seq, HIDDEN, FFN, HEADS, None, dtype)
+        minimum = transformer_layer_minimum(batch, seq, HIDDEN, FFN, HEADS, None, dtype)
         anchors = []
         for name, impl, p_attn in (("HF GPT2Block (eager)", "eager", DROPOUT), ("HF GPT2Block (flash)", "sdpa", 0.0)):
             config = GPT2Config(n_embd=HIDDEN, n_head=HEADS, n_inner=FFN, n_positions=seq, resid_pdrop=DROPOUT,
@@ -199,7 +205,7 @@ def te_units(kind: str, seq: int, dtype_name: str) -> list[Result]:
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-        minimum = transformer_layer_minimum(1, seq, HIDDEN, LLAMA_FFN, HEADS, LLAMA_KV_HEADS, dtype,
+        minimum = transformer_layer_minimum(batch, seq, HIDDEN, LLAMA_FFN, HEADS, LLAMA_KV_HEADS, dtype,
                                             normalization="RMSNorm", gated=True, bias=False, dropout=False)
         anchors = []
         for name, impl in (("HF LlamaDecoderLayer (eager)", "eager"), ("HF LlamaDecoderLayer (flash)", "sdpa")):
@@ -217,9 +223,10 @@ def te_units(kind: str, seq: int, dtype_name: str) -> list[Result]:
     ours = ours.train()
     for name, layer, kw in anchors:
         counter, seconds = count(lambda m=layer, k=kw: _step(m, x, grad, **k))
-        results.append(Result(kind, name, dtype_name, seq, counter, minimum, None, seconds))
+        results.append(Result(kind, name, dtype_name, seq, counter, minimum, None, seconds, batch))
     counter, seconds = count(lambda: _step(ours, x, grad, **ours_kw))
-    results.append(Result(kind, "tachyon TransformerLayer", dtype_name, seq, counter, minimum, anchors[0][0], seconds))
+    results.append(Result(kind, "tachyon TransformerLayer", dtype_name, seq, counter, minimum, anchors[0][0], seconds,
+                          batch))
     return results
 
 
@@ -306,11 +313,12 @@ def summary_rows(results: list[Result]) -> list[dict]:
     for r in results:
         total = r.counter.total
         anchor = next((a for a in results if a.unit == r.unit and a.dtype == r.dtype and a.seq == r.seq
-                       and a.variant == r.anchor), None)
+                       and a.batch == r.batch and a.variant == r.anchor), None)
         flash = next((a for a in results if a.unit == r.unit and a.dtype == r.dtype and a.seq == r.seq
-                      and a.variant.endswith("(flash)")), None)
+                      and a.batch == r.batch and a.variant.endswith("(flash)")), None)
         rows.append({
-            "unit": r.unit, "seq": (f"batch {r.seq}" if r.unit == "decode" else r.seq) or "", "dtype": r.dtype,
+            "unit": r.unit, "seq": (f"batch {r.seq}" if r.unit == "decode" else r.seq) or "",
+            "batch": r.batch if r.unit in ("bert", "gpt", "llama") else "", "dtype": r.dtype,
             "variant": r.variant,
             "MiB": round(total.bytes / MIB, 2),
             "x anchor": round(total.bytes / anchor.counter.total.bytes, 3) if anchor else "",
@@ -328,9 +336,9 @@ def summary_rows(results: list[Result]) -> list[dict]:
 
 def goal_rows(results: list[Result]) -> list[dict]:
     """The issue's goals, each checked where its unit was measured."""
-    def find(unit, variant, dtype="fp32", seq=None):
+    def find(unit, variant, dtype="fp32", seq=None, batch=1):
         return next((r for r in results if r.unit == unit and r.variant == variant and r.dtype == dtype
-                     and (seq is None or r.seq == seq)), None)
+                     and (seq is None or r.seq == seq) and r.batch == batch), None)
 
     rows = []
 
@@ -346,17 +354,14 @@ def goal_rows(results: list[Result]) -> list[dict]:
             met = met and t.launches <= max_launches
         rows.append({"goal": goal, "measured": "; ".join(parts), "met": "yes" if met else "no"})
 
-    for seq in sorted({r.seq for r in results if r.unit == "bert"}):
-        check(f"BERT kernel layer fwd+bwd, seq {seq}, fp32, no flags, vs HF BertLayer (eager)",
-              find("bert", "tachyon BERT kernel layer (none)", seq=seq), find("bert", "HF BertLayer (eager)", seq=seq),
-              0.42, 1.15, 28)
-    for seq in sorted({r.seq for r in results if r.unit == "gpt"}):
-        check(f"TransformerLayer (GPT) fwd+bwd, seq {seq}, fp32, vs HF GPT2Block (eager)",
-              find("gpt", "tachyon TransformerLayer", seq=seq), find("gpt", "HF GPT2Block (eager)", seq=seq), 0.42, 1.15, 28)
-    for seq in sorted({r.seq for r in results if r.unit == "llama"}):
-        check(f"TransformerLayer (Llama) fwd+bwd, seq {seq}, fp32, vs HF LlamaDecoderLayer (eager)",
-              find("llama", "tachyon TransformerLayer", seq=seq), find("llama", "HF LlamaDecoderLayer (eager)", seq=seq),
-              0.42, 1.15, 28)
+    layer_units = (("bert", "BERT kernel layer", "tachyon BERT kernel layer (none)", "HF BertLayer (eager)"),
+                   ("gpt", "TransformerLayer (GPT)", "tachyon TransformerLayer", "HF GPT2Block (eager)"),
+                   ("llama", "TransformerLayer (Llama)", "tachyon TransformerLayer", "HF LlamaDecoderLayer (eager)"))
+    for unit, label, ours, anchor in layer_units:
+        for seq, batch in sorted({(r.seq, r.batch) for r in results if r.unit == unit}):
+            check(f"{label} fwd+bwd, seq {seq}, batch {batch}, fp32{', no flags' if unit == 'bert' else ''}, "
+                  f"vs {anchor}", find(unit, ours, seq=seq, batch=batch), find(unit, anchor, seq=seq, batch=batch),
+                  0.42, 1.15, 28)
     adam = find("adam", "tachyon FusedAdam")
     if adam is not None:
         t, m = adam.counter.total, adam.minimum
@@ -371,6 +376,41 @@ def goal_rows(results: list[Result]) -> list[dict]:
                          "measured": f"{x:.3f}x ({r.counter.total.written / MIB:.3f} MiB written beside)",
                          "met": "yes" if x <= 1.05 else "no"})
     return rows
+
+
+# issue 14's GPU benchmark shapes of the BERT layer (seq 128 at batch 64, seq 512 at batch 16)
+GPU_BATCH = {128: 64, 512: 16}
+
+
+def scaling_rows(results: list[Result]) -> list[dict]:
+    """Bytes at the GPU benchmark's batch, from the counts at two batches (b1 < b2) of the same
+    unit, seq and dtype: a step's bytes are a + b * batch (weights once per step; activations,
+    attention and what is kept for backward per sequence), so a = B(b1) - b1 * b and b = (B(b2)
+    - B(b1)) / (b2 - b1). A third counted batch checks the line (its deviation is printed)."""
+    rows = []
+    keys = sorted({(r.unit, r.dtype, r.seq, r.variant) for r in results if r.unit in ("bert", "gpt", "llama")})
+    for unit, dtype, seq, variant in keys:
+        counted = sorted((r.batch, r) for r in results
+                         if (r.unit, r.dtype, r.seq, r.variant) == (unit, dtype, seq, variant))
+        target = GPU_BATCH.get(seq)
+        if len(counted) < 2 or target is None:
+            continue
+        (b1, r1), (b2, r2) = counted[0], counted[-1]
+        slope = (r2.counter.total.bytes - r1.counter.total.bytes) / (b2 - b1)
+        fixed = r1.counter.total.bytes - b1 * slope
+        check = ""
+        if len(counted) > 2:
+            bm, rm = counted[1]
+            check = f"{(fixed + bm * slope) / rm.counter.total.bytes - 1:+.2e}"
+        rows.append({"unit": unit, "dtype": dtype, "seq": seq, "variant": variant, "counted batches": ",".join(
+            str(b) for b, _ in counted), "per-step MiB": round(fixed / MIB, 2), "per-sequence MiB": round(slope / MIB, 2),
+            "line vs middle batch": check, "batch": target, "MiB at batch": round((fixed + target * slope) / MIB, 1),
+            "_bytes": fixed + target * slope, "_anchor": r1.anchor})
+    for row in rows:  # ratios to the anchor at the same batch
+        anchor = next((a for a in rows if (a["unit"], a["dtype"], a["seq"]) == (row["unit"], row["dtype"], row["seq"])
+                       and a["variant"] == row["_anchor"]), None)
+        row["x anchor at batch"] = round(row["_bytes"] / anchor["_bytes"], 3) if anchor else ""
+    return [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows]
 
 
 def write_report(path: Path, results: list[Result], argv: list[str], rows: list[dict]) -> None:
@@ -405,8 +445,12 @@ def write_report(path: Path, results: list[Result], argv: list[str], rows: list[
         format_table(goal_rows(results)),
         "",
     ]
+    scaled = scaling_rows(results)
+    if scaled:
+        lines += ["## At the GPU benchmark's batch (issue 14: seq 128 x 64, seq 512 x 16)", "",
+                  scaling_rows.__doc__.split("\n\n")[0].replace("\n    ", " "), "", format_table(scaled), ""]
     for r in results:
-        where = f"batch {r.seq}" if r.unit == "decode" else f"seq {r.seq}"
+        where = f"batch {r.seq}" if r.unit == "decode" else f"seq {r.seq} batch {r.batch}"
         lines += [f"## {r.unit} {where} {r.dtype}: {r.variant} (counted in {r.seconds:.0f} s)", "", "```",
                   r.counter.table(), "```", ""]
         if r.minimum is not None and not r.variant.startswith(("HF", "torch")) and r.minimum.launches:
@@ -422,6 +466,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seqs", default="128,512", help="comma-separated sequence lengths (bert, gpt, llama)")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
     parser.add_argument("--flags", default=",".join(FLAGS), help=f"BERT memory flags, comma-separated: {', '.join(FLAGS)}")
+    parser.add_argument("--batches", default="1", help="comma-separated batch sizes (bert, gpt, llama); two or "
+                        "more: the bytes at the GPU benchmark's batch follow from them (see scaling_rows)")
     parser.add_argument("--quick", action="store_true", help="seq 128, fp32, no flags, all units")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (hidden 64): checks that the script runs")
     parser.add_argument("--out", default=None, help="markdown report path")
@@ -436,6 +482,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     units = [u for u in args.units.split(",") if u]
     seqs = [int(s) for s in args.seqs.split(",") if s]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    if not batches or min(batches) < 1:
+        parser.error(f"--batches: ints >= 1; got {args.batches!r}")
     dtypes, flags = args.dtypes.split(","), args.flags.split(",")
     if args.quick:
         seqs, dtypes, flags = [128], ["fp32"], ["none"]
@@ -462,12 +511,13 @@ def main(argv: list[str] | None = None) -> None:
     results: list[Result] = []
     for dtype in dtypes:
         for seq in seqs if {"bert", "gpt", "llama"} & set(units) else []:
-            if "bert" in units:
-                results += bert_units(seq, dtype, flags)
-            for kind in ("gpt", "llama"):
-                if kind in units:
-                    results += te_units(kind, seq, dtype)
-            print(f"counted {dtype} seq {seq}", flush=True)
+            for batch in batches:
+                if "bert" in units:
+                    results += bert_units(seq, dtype, flags, batch)
+                for kind in ("gpt", "llama"):
+                    if kind in units:
+                        results += te_units(kind, seq, dtype, batch)
+                print(f"counted {dtype} seq {seq} batch {batch}", flush=True)
     if "adam" in units:
         results += adam_units()
     if "decode" in units:
@@ -475,8 +525,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = summary_rows(results)
     print(format_table(rows))
     print(format_table(goal_rows(results)))
+    if scaling_rows(results):
+        print(format_table(scaling_rows(results)))
     for r in results:
-        print(f"\n## {r.unit} {'batch' if r.unit == 'decode' else 'seq'} {r.seq} {r.dtype}: {r.variant}\n"
+        print(f"\n## {r.unit} {'batch' if r.unit == 'decode' else 'seq'} {r.seq} (batch {r.batch}) {r.dtype}: {r.variant}\n"
               f"{r.counter.table()}")
     write_csv(output_dir() / "bench_traffic.csv", rows, "bench_traffic")
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")

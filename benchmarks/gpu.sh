@@ -3,8 +3,8 @@
 # and write the results (logs, CSV, a markdown summary) into OUTDIR.
 #   bash benchmarks/gpu.sh OUTDIR [--only tests,layernorm,...] [--timeout SECONDS] [--quick]
 # --only: a comma-separated selection of steps: "tests" (pytest -m gpu) and benchmark names
-#   (bench_<name>.py: layernorm, elementwise, attention, fp8_cast, optim, transformer_kernel,
-#   te_layer, engine); default: all of them, tests first. --timeout: the limit for each step
+#   (bench_<name>.py: layernorm, elementwise, mlp, attention, fp8_cast, optim, transformer_kernel,
+#   te_layer, engine, ...); default: all of them, tests first. --timeout: the limit for each step
 #   (default 0 = none), so that one slow step cannot use up a whole session's time.
 #   --tests "PATHS": the test paths of the "tests" step (default: tests), e.g. "tests/kernels"
 #   to split the GPU tests over several calls. Other arguments (e.g. --quick) go to every

@@ -87,7 +87,7 @@ def test_flat_partition_equals_separate_tensors():
 def test_flat_partition_step_moves_exactly_its_minimum(g_dtype):
     """One flat tensor (a ZeRO partition): one launch that reads param, grad and both moments and
     writes param and both moments, and nothing else (no pointer table, no program map, no step
-    scalars in memory), counted. A list of tensors still reads its table (checked as more)."""
+    scalars in memory), counted. The same tensors as a list of two move the same bytes."""
     from tachyon.profiling import TrafficCounter
 
     n = 3 * 4096 + 77  # three full chunks and a masked one
@@ -102,7 +102,29 @@ def test_flat_partition_step_moves_exactly_its_minimum(g_dtype):
     halves = [t.split([n // 2, n - n // 2]) for t in (p, g, m, v)]
     with TrafficCounter() as listed:
         multi_tensor_adam(*map(list, halves), [4, 4], lr=1e-2, weight_decay=0.1, backend="triton")
-    assert listed.total.read > counter.total.read, "two tensors read their pointer table and program map"
+    assert (listed.total.read, listed.total.written, listed.total.launches) == (
+        counter.total.read, counter.total.written, 1), "a list moves what one flat tensor moves"
+
+
+def test_more_tensors_than_one_launch_takes_match_reference():
+    """More than MAX_TENSORS tensors (two launches), sizes from 1 to several chunks, different step
+    counts: each tensor gets its own step scalars from the kernel arguments."""
+    from tachyon.kernels.adam import triton as tri
+
+    g = torch.Generator().manual_seed(7)
+    numels = [1, 4096, 5000, 37, 8193] * 4
+    assert len(numels) > tri.MAX_TENSORS
+    params = [torch.randn(n, generator=g) for n in numels]
+    grads = [torch.randn(n, generator=g) for n in numels]
+    ms = [0.1 * torch.randn(n, generator=g) for n in numels]
+    vs = [0.01 * torch.rand(n, generator=g) for n in numels]
+    steps = [1 + i % 3 for i in range(len(numels))]
+    ref = [[t.clone() for t in ts] for ts in (params, ms, vs)]
+    multi_tensor_adam(params, grads, ms, vs, steps, lr=1e-2, weight_decay=0.1, backend="triton")
+    reference.adam_step(ref[0], grads, ref[1], ref[2], steps, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, True)
+    for name, got, want in zip(("param", "exp_avg", "exp_avg_sq"), (params, ms, vs), ref):
+        for i, (a, e) in enumerate(zip(got, want)):
+            assert_close(a, e, name=f"{name}[{i}]")
 
 
 def test_unaligned_views_match_reference():
@@ -166,24 +188,20 @@ from tests.utils.aot import compile_sm90
 from tachyon.kernels.adam import triton as tri
 
 scalars = ("decay", "l2_wd", "one_minus_beta1", "beta2", "one_minus_beta2", "eps")
-for param, grad, adam_w, aligned in (("*bf16", "*bf16", True, True), ("*fp32", "*bf16", False, False),
-                                     ("*fp32", "*fp32", True, True)):
-    types = {"table": "*i64", "scalars": "*fp32", "program_tensor": "*i32", "p_witness": param, "g_witness": grad}
-    types.update({n: "fp32" for n in scalars})
-    compile_sm90(tri._adam_kernel, types, dict(ADAM_W_MODE=adam_w, ALIGNED=aligned, CHUNK=tri.CHUNK, BLOCK=tri.BLOCK),
-                 num_warps=4)
-for param, grad, adam_w in (("*bf16", "*bf16", True), ("*fp32", "*fp32", False)):
-    types = {"p_ptr": param, "g_ptr": grad, "m_ptr": "*fp32", "v_ptr": "*fp32", "numel": "i64", "step_size": "fp32",
-             "bc2_sqrt": "fp32"}
-    types.update({n: "fp32" for n in scalars})
-    compile_sm90(tri._adam_flat_kernel, types, dict(ADAM_W_MODE=adam_w, CHUNK=tri.CHUNK, BLOCK=tri.BLOCK), num_warps=4)
+for param, grad, adam_w, n in (("*bf16", "*bf16", True, tri.MAX_TENSORS), ("*fp32", "*bf16", False, 3),
+                               ("*fp32", "*fp32", True, 1)):
+    types = {"P": (param,) * n, "G": (grad,) * n, "M": ("*fp32",) * n, "V": ("*fp32",) * n, "NUMELS": ("i32",) * n,
+             "FIRSTS": ("i32",) * n, "STEP_SIZES": ("fp32",) * n, "BC2_SQRTS": ("fp32",) * n}
+    types.update({name: "fp32" for name in scalars})
+    compile_sm90(tri._adam_kernel, types, dict(N=n, ADAM_W_MODE=adam_w, CHUNK=tri.CHUNK, BLOCK=tri.BLOCK), num_warps=4)
 """
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter never runs Triton's compiler: build the multi-tensor kernel (TTIR -> PTX ->
-    cubin with the bundled ptxas) for compute capability 9.0: bf16 and fp32 params with bf16/fp32
-    grads, AdamW and L2 Adam, aligned (vectorized) and not; and the one-tensor kernel."""
+    cubin with the bundled ptxas) for compute capability 9.0, its pointers, sizes and step scalars
+    as tuple arguments: bf16 and fp32 params with bf16/fp32 grads, AdamW and L2 Adam, 16, 3 and 1
+    tensors per launch."""
     from tests.utils.aot import compile_in_subprocess
 
-    compile_in_subprocess(_AOT_SCRIPT, expected=5)
+    compile_in_subprocess(_AOT_SCRIPT, expected=3)

@@ -205,3 +205,35 @@ def test_triton_refuses_groups_it_cannot_tile():
     x, q, scales, _, _ = _case(2, 8, 24, 8, torch.float32, "cpu")
     with pytest.raises(ValueError, match="multiple of 16"):
         int8_linear(x, q, scales, backend="triton")
+
+
+_AOT_SCRIPT = """
+from tests.utils.aot import compile_sm90
+from tachyon.kernels.int8_linear import triton as tri
+
+def gemm(dtype, grouped, split, act, gated, norm, residual, block_m, block_n, block_k):
+    types = {"X": dtype, "W": "*i8", "S": "*fp32", "B": dtype, "OUT": dtype, "PART": "*fp32", "R": dtype, "NW": dtype,
+             "NB": dtype, "Z": dtype, "eps": "fp32"}
+    consts = dict(GROUPED=grouped, HAS_BIAS=True, SPLIT=split, ACT=act, GATED=gated, NORM=norm, HAS_RES=residual,
+                  HAS_NB=norm == 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                  DOT_PRECISION="ieee" if dtype == "*fp32" else None)
+    compile_sm90(tri._int8_linear_kernel, types, consts, num_warps=4, aligned_ints=("stride_xm", "stride_wn", "K"))
+
+gemm("*fp16", False, True, -1, False, 0, False, 16, 64, 128)   # decode, split-K partials
+gemm("*bf16", True, False, 1, False, 1, True, 16, 64, 128)     # LayerNorm + residual prologue, GELU epilogue
+gemm("*fp16", False, False, 3, True, 2, True, 16, 64, 128)     # RMSNorm prologue, SwiGLU epilogue
+gemm("*bf16", False, False, -1, False, 0, False, 64, 64, 64)   # prefill tile
+gemm("*fp32", True, True, -1, True, 0, False, 16, 64, 128)     # fp32, grouped scales, gated split
+types = {"PART": "*fp32", "B": "*fp16", "OUT": "*fp16"}
+compile_sm90(tri._split_reduce_kernel, types, dict(HAS_BIAS=True, ACT=3, GATED=True, BLOCK_M=16, BLOCK_N=64),
+             num_warps=4)
+"""
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The interpreter never runs Triton's compiler: build the INT8 GEMM (TTIR -> PTX -> cubin with
+    the bundled ptxas) for an H100 with each prologue and epilogue (norm + residual, activation,
+    gated, split-K partials) and the split-K reduce kernel."""
+    from tests.utils.aot import compile_in_subprocess
+
+    compile_in_subprocess(_AOT_SCRIPT, expected=6)

@@ -112,9 +112,12 @@ def test_tp_layer_launches_the_single_device_kernels_plus_two_all_reduces_each_w
     mm = "aten.mm.default"
     fwd_mms = [i for i, label in enumerate(forward) if label == mm]
     bwd_mms = [i for i, label in enumerate(backward) if label == mm]
-    # forward: after proj (2nd GEMM) and fc2 (4th); backward: after fc1's dX, dW and QKV's dX, dW
-    expected_fwd = _with_all_reduces(forward, (fwd_mms[1], fwd_mms[3]))
-    expected_bwd = _with_all_reduces(backward, (bwd_mms[3], bwd_mms[7]))
+    # the cuBLAS GEMMs (fc1 and fc2's dX are the MLP's epilogue GEMMs): forward QKV, proj, fc2;
+    # backward fc2 dW, fc1 dX and dW, proj dX and dW, QKV dX and dW. All-reduces: forward after proj
+    # and fc2; backward after fc1's dX, dW and QKV's dX, dW
+    assert len(fwd_mms) == 3 and len(bwd_mms) == 7, (forward, backward)
+    expected_fwd = _with_all_reduces(forward, (fwd_mms[1], fwd_mms[2]))
+    expected_bwd = _with_all_reduces(backward, (bwd_mms[2], bwd_mms[6]))
     for rank, result in enumerate(ranks):
         fwd, bwd = result[(name, False)]
         assert fwd == expected_fwd, f"{name}, rank {rank}: forward launches\n" + "\n".join(fwd)

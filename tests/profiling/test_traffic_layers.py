@@ -33,17 +33,16 @@ GPT_FORWARD = [
     "tachyon::attention_packed_fwd > triton _fwd_kernel",
     MM,  # proj, without its bias
     "tachyon::bias_dropout_add_norm_fwd > triton _bda_norm_fwd_kernel",  # h = x + dropout(a + b); norm2(h)
-    MM,  # fc1, without its bias
-    "tachyon::bias_act_fwd > triton _bias_act_fwd_kernel",
+    "tachyon::gemm_bias_act > triton _gemm_act_kernel",  # fc1 with its bias and the GELU in its epilogue
     MM,  # fc2, without its bias
     "tachyon::bias_dropout_add_fwd > triton _bda_fwd_kernel",
 ]
 GPT_BACKWARD = [
     "tachyon::dropout_bwd > triton _bda_bwd_kernel",
     "tachyon::dropout_bwd > triton _sum_partials_kernel",  # fc2 bias
-    MM, MM,  # fc2 dX, dW
-    "tachyon::bias_act_bwd > triton _bias_act_bwd_kernel",
-    "tachyon::bias_act_bwd > triton _sum_partials_kernel",  # fc1 bias
+    MM,  # fc2 dW
+    "tachyon::gemm_act_grad > triton _gemm_act_kernel",  # fc2 dX with the GELU's backward in its epilogue
+    "tachyon::gemm_act_grad > triton _sum_partials_kernel",  # fc1 bias
     MM, MM,  # fc1
     "tachyon::bias_dropout_add_norm_bwd > triton _bda_norm_bwd_kernel",  # adds h's residual gradient
     "tachyon::bias_dropout_add_norm_bwd > triton _sum_partials_kernel",  # proj bias, norm2 weight and bias
@@ -61,14 +60,13 @@ LLAMA_FORWARD = [
     "tachyon::attention_packed_fwd > triton _fwd_kernel",
     MM,  # proj
     "tachyon::bias_dropout_add_norm_fwd > triton _bda_norm_fwd_kernel",
-    MM,  # fc1 (gate and up)
-    "tachyon::bias_act_fwd > triton _bias_act_fwd_kernel",  # silu(gate) * up
+    "tachyon::gemm_bias_act > triton _gemm_act_kernel",  # fc1 (gate and up), silu(gate) * up in its epilogue
     MM,  # fc2
     "tachyon::bias_dropout_add_fwd > triton _bda_fwd_kernel",  # the residual add
 ]
 LLAMA_BACKWARD = [
-    MM, MM,  # fc2
-    "tachyon::bias_act_bwd > triton _bias_act_bwd_kernel",
+    MM,  # fc2 dW
+    "tachyon::gemm_act_grad > triton _gemm_act_kernel",  # fc2 dX, SwiGLU's backward in its epilogue
     MM, MM,  # fc1
     "tachyon::bias_dropout_add_norm_bwd > triton _bda_norm_bwd_kernel",
     "tachyon::bias_dropout_add_norm_bwd > triton _sum_partials_kernel",  # norm2 weight
@@ -99,17 +97,17 @@ def _check(counter: TrafficCounter, forward: list[str], backward: list[str], min
     assert ratio <= GOAL_BYTES, f"{ratio:.3f}x the minimum of {minimum.bytes} bytes\n{counter.table()}"
 
 
-def test_gpt_transformer_layer_step_takes_28_launches():
+def test_gpt_transformer_layer_step_takes_26_launches():
     layer = TransformerLayer(HIDDEN, GPT_FFN, HEADS, hidden_dropout=0.1, attention_dropout=0.1,
                              attn_input_format="bshd", backend="triton").train()
     counter = _count(layer)
     minimum = transformer_layer_minimum(BATCH, SEQ, HIDDEN, GPT_FFN, HEADS)
     _check(counter, GPT_FORWARD, GPT_BACKWARD, minimum)
-    assert counter.total.launches == 28
-    assert minimum.launches == 22  # above it: the seed draw and five sums of partial sums
+    assert counter.total.launches == 26
+    assert minimum.launches == 20  # above it: the seed draw and five sums of partial sums
 
 
-def test_llama_transformer_layer_step_takes_25_launches():
+def test_llama_transformer_layer_step_takes_23_launches():
     layer = TransformerLayer(HIDDEN, LLAMA_FFN, HEADS, num_gqa_groups=LLAMA_KV_HEADS, normalization="RMSNorm",
                              activation="swiglu", bias=False, hidden_dropout=0.0, attention_dropout=0.0,
                              attn_input_format="bshd", backend="triton").train()
@@ -118,5 +116,5 @@ def test_llama_transformer_layer_step_takes_25_launches():
     minimum = transformer_layer_minimum(BATCH, SEQ, HIDDEN, LLAMA_FFN, HEADS, LLAMA_KV_HEADS,
                                         normalization="RMSNorm", gated=True, bias=False, dropout=False)
     _check(counter, LLAMA_FORWARD, LLAMA_BACKWARD, minimum)
-    assert counter.total.launches == 25
-    assert minimum.launches == 21  # above it: RoPE each way (the minimum rotates inside the attention loads), two sums
+    assert counter.total.launches == 23
+    assert minimum.launches == 19  # above it: RoPE each way (the minimum rotates inside the attention loads), two sums

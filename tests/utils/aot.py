@@ -36,11 +36,13 @@ _ROOT = Path(__file__).resolve().parents[2]
 SM90 = ("cuda", 90, 32)  # backend, compute capability, warp size: an H100
 
 
-def signature(arg_names, types: dict[str, str], constexprs: dict, default: str = "i32") -> dict[str, str]:
+def signature(arg_names, types: dict[str, str | tuple[str, ...]], constexprs: dict,
+              default: str = "i32") -> dict[str, str | tuple[str, ...]]:
     """Triton signature dict for a kernel's arguments, in order.
 
     arg_names: the kernel's ``arg_names``; types: name -> Triton type string ("*bf16", "*fp32",
-    "fp32", "i64", ...) for every argument that is not ``default``; constexprs: the constexpr
+    "fp32", "i64", ...), or a tuple of them for a tuple argument, for every argument that is not
+    ``default``; constexprs: the constexpr
     values (their arguments get "constexpr"). Raises ValueError naming unknown names in either map.
     """
     names = list(arg_names)
@@ -53,12 +55,18 @@ def signature(arg_names, types: dict[str, str], constexprs: dict, default: str =
     return {n: "constexpr" if n in constexprs else types.get(n, default) for n in names}
 
 
-def aligned_attrs(arg_names, sig: dict[str, str], also=()) -> dict[tuple[int], list]:
+def aligned_attrs(arg_names, sig: dict[str, str | tuple[str, ...]], also=()) -> dict[tuple[int, ...], list]:
     """``tt.divisibility 16`` on every pointer and on the integer arguments named in ``also``
-    (strides, sizes), as Triton's JIT specializes 16-aligned pointers and multiples of 16."""
+    (strides, sizes), as Triton's JIT specializes 16-aligned pointers and multiples of 16. A tuple
+    argument (its type a tuple of type strings) gets it on each pointer element (path (i, j))."""
     also = set(also)
-    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(arg_names)
-            if sig[n].startswith("*") or n in also}
+    attrs = {}
+    for i, n in enumerate(arg_names):
+        if isinstance(sig[n], tuple):
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j, t in enumerate(sig[n]) if t.startswith("*")})
+        elif sig[n].startswith("*") or n in also:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
 
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int | None = None,

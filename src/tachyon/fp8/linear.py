@@ -184,6 +184,15 @@ def _cast_operands(x, weight, scaling: GemmScaling, fp8_dtype: torch.dtype, is_f
     return x8, w8, sx, sw, x8_t, w8_t
 
 
+def runs_high_precision(*scalings: GemmScaling) -> bool:
+    """True where these GEMMs run as plain GEMMs now, so a module may run them fused with what
+    sits beside them (LayerNormMLP: the activation in the GEMMs' epilogues): outside an enabled
+    fp8_autocast, and none of them ever ran in FP8 (a recompute of an FP8 forward must go through
+    :func:`fp8_linear`, which refuses a recompute outside the autocast)."""
+    settings = current_settings()
+    return (settings is None or not settings.records) and not any(s.ran_fp8 for s in scalings)
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scaling: GemmScaling, *,
     is_first_microbatch: bool | None = None,

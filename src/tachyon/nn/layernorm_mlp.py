@@ -11,9 +11,12 @@ Activations (Transformer Engine's names and definitions):
     "geglu"   gelu_tanh(a) * b,  "swiglu"  silu(a) * b,  with [a, b] = (fc1 out + fc1_bias).chunk(2, -1):
               fc1 then has 2 * ffn_hidden_size outputs (the gate half first)
 
-The bias add and activation run as one fused kernel (tachyon.kernels.activation.bias_act); the
-two GEMMs go through :func:`tachyon.fp8.fp8_linear` (FP8 inside fp8_autocast, each with its own
-scaling state "fc1" and "fc2"). Parameters (TE's names): layer_norm_weight, layer_norm_bias,
+Outside FP8 the block is one op, tachyon.kernels.linear.mlp: fc1's GEMM adds the bias and applies
+the activation in its epilogue (writing the pre-activation for backward and the activation for
+fc2), and in backward fc2's dX GEMM applies the activation's derivative in its epilogue. Inside
+fp8_autocast the two GEMMs go through :func:`tachyon.fp8.fp8_linear` (FP8, each with its own
+scaling state "fc1" and "fc2") around the fused bias + activation kernel
+(tachyon.kernels.activation.bias_act). Parameters (TE's names): layer_norm_weight, layer_norm_bias,
 fc1_weight [ffn (x2 gated), hidden], fc1_bias, fc2_weight [hidden, ffn], fc2_bias.
 """
 
@@ -24,9 +27,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from tachyon.fp8.linear import FP8ModuleMixin, fp8_linear
+from tachyon.fp8.linear import FP8ModuleMixin, fp8_linear, runs_high_precision
 from tachyon.kernels.activation import ACTIVATIONS as KERNEL_ACTIVATIONS
 from tachyon.kernels.activation import bias_act
+from tachyon.kernels.linear import mlp
 from tachyon.nn.layernorm_linear import apply_norm, check_normalization, make_norm_params
 from tachyon.nn.linear import check_features, check_input, compute_dtype, make_weight, register_bias, te_outputs
 
@@ -53,6 +57,22 @@ def te_activation(h: Tensor, bias: Tensor | None, activation: str, backend: str 
     return act * (value + bias_value if bias_value is not None else value)
 
 
+def ffn(module: LayerNormMLP, ln_out: Tensor, dtype: torch.dtype, fc1_bias: Tensor | None, fc2_bias: Tensor | None,
+        is_first_microbatch: bool | None) -> Tensor:
+    """fc2(act(fc1(ln_out) + fc1_bias)) + fc2_bias with ``module``'s weights in ``dtype``.
+
+    Outside FP8: one op, kernels/linear's ``mlp`` (the bias + activation in fc1's GEMM epilogue
+    and the activation's backward in the epilogue of fc2's dX GEMM). In FP8 (or for a module whose
+    GEMMs ran in FP8): the two fp8_linear GEMMs around the fused bias + activation kernel."""
+    name = _KERNEL_NAME.get(module.activation)
+    fc1_weight, fc2_weight = module.fc1_weight.to(dtype), module.fc2_weight.to(dtype)
+    if name is not None and runs_high_precision(module.fp8_scaling["fc1"], module.fp8_scaling["fc2"]):
+        return mlp(ln_out, fc1_weight, fc1_bias, name, fc2_weight, fc2_bias, backend=module.backend)
+    h = fp8_linear(ln_out, fc1_weight, None, module.fp8_scaling["fc1"], is_first_microbatch=is_first_microbatch)
+    a = te_activation(h, fc1_bias, module.activation, module.backend)
+    return fp8_linear(a, fc2_weight, fc2_bias, module.fp8_scaling["fc2"], is_first_microbatch=is_first_microbatch)
+
+
 class LayerNormMLP(FP8ModuleMixin, nn.Module):
     """y = fc2(act(fc1(norm(x)) + fc1_bias)) + fc2_bias, GEMMs in FP8 inside fp8_autocast.
 
@@ -71,9 +91,8 @@ class LayerNormMLP(FP8ModuleMixin, nn.Module):
     the norm is skipped and ln_out is x.
     is_first_microbatch: the FP8 weight cache of fc1 and fc2 across gradient-accumulation
     micro-batches, as in :class:`tachyon.nn.Linear`. Saved for backward: the norm's
-    input and statistics, ln_out (or its FP8 copy), fc1's output (the activation's input: its
-    output is recomputed in backward, never saved by the kernel) and the activation's output as
-    fc2's input (or its FP8 copy).
+    input and statistics, ln_out (or its FP8 copy), the pre-activation (fc1's output + fc1_bias;
+    in FP8 fc1's output) and the activation's output as fc2's input (or its FP8 copy).
     """
 
     def __init__(
@@ -121,13 +140,9 @@ class LayerNormMLP(FP8ModuleMixin, nn.Module):
         # input_is_normalized: the caller ran this module's norm itself (fused with the residual
         # add before it, e.g. bias_dropout_add_layer_norm in TransformerLayer)
         ln_out = x.to(dtype) if input_is_normalized else apply_norm(self, x.to(dtype), dtype)
-        h = fp8_linear(ln_out, self.fc1_weight.to(dtype), None, self.fp8_scaling["fc1"],
-                       is_first_microbatch=is_first_microbatch)
         fc1_bias = self.fc1_bias.to(dtype) if self.fc1_bias is not None else None
-        a = te_activation(h, fc1_bias, self.activation, self.backend)
         fc2_bias = self.fc2_bias.to(dtype) if self.fc2_bias is not None else None
-        y = fp8_linear(a, self.fc2_weight.to(dtype), None if self.return_bias else fc2_bias, self.fp8_scaling["fc2"],
-                       is_first_microbatch=is_first_microbatch)
+        y = ffn(self, ln_out, dtype, fc1_bias, None if self.return_bias else fc2_bias, is_first_microbatch)
         return te_outputs(y, fc2_bias, ln_out, self.return_bias, self.return_layernorm_output)
 
     def extra_repr(self) -> str:

@@ -29,7 +29,8 @@ The rules (docs/flops_profiler.md has the table with examples):
 - Composite ops are counted by what they run: CPU ``rms_norm`` runs pow, mean, add, rsqrt and
   two multiplies, so it counts 4 per element plus 2 per row.
 - tachyon's custom ops count what their reference implementation computes (`_tachyon_count`),
-  composed from the rules above (e.g. ``bias_act_linear_fwd`` = bias add + activation + GEMM).
+  composed from the rules above (e.g. ``bias_act_linear_fwd`` = bias add + activation + GEMM;
+  ``gemm_bias_act`` = GEMM + bias add + activation; ``int8_linear`` = the GEMM of its shapes).
 
 Ops not in any table count 0. torch's counter handles higher-order ops and nested tensors that
 this one does not try to (eager training and inference only).
@@ -221,6 +222,16 @@ def _bias_act(x: torch.Tensor, bias: Any, activation: str) -> int:
     return (x.numel() if bias is not None else 0) + out * (2 if _gated(activation) else 1)
 
 
+def _gemm_act(rows: int, k: int, n: int, bias: bool, activation: str | None) -> Count:
+    """A GEMM [rows, k] x [k, n] with bias + activation in its epilogue (n: the GEMM's columns,
+    2F for a gated activation)."""
+    macs = rows * k * n
+    flops = 2 * macs + (rows * n if bias else 0)
+    if activation:
+        flops += (rows * n // 2) * 2 if _gated(activation) else rows * n
+    return flops, macs
+
+
 def _norm_count(x: torch.Tensor, rms: bool) -> int:
     return (4 if rms else 5) * x.numel()  # tachyon's norms always have a weight
 
@@ -260,6 +271,19 @@ def _tachyon_count(name: str, a: dict[str, Any], out: Any) -> Count | None:
         rows, hidden = x.numel() // x.shape[-1], w2.shape[1]
         macs = rows * hidden * w2.shape[0]
         return _bias_act(x, a["bias"], a["activation"]) + 2 * macs, macs
+    if name == "gemm_bias_act":  # x [M, K] @ weight [R, K]^T + bias, then the activation
+        x, w = a["x"], a["weight"]
+        return _gemm_act(x.shape[0], x.shape[1], w.shape[0], a["bias"] is not None, a["activation"])
+    if name == "gemm_act_grad":  # dout [M, O] @ weight2 [O, F], then the activation's backward on pre
+        dout, w2 = a["dout"], a["weight2"]
+        macs = dout.shape[0] * dout.shape[1] * w2.shape[1]
+        return 2 * macs + 2 * _bias_act(a["pre"], a["pre"][0] if a["want_dbias"] else None, a["activation"]), macs
+    if name in ("int8_linear", "norm_int8_linear"):  # the dequantizing GEMM (+ norm prologue, epilogue)
+        x, q = a["x"], a["qweight"]
+        flops, macs = _gemm_act(x.shape[0], x.shape[1], q.shape[0], a["bias"] is not None, a["activation"])
+        if name == "norm_int8_linear":
+            flops += _norm_count(x, a["rms"]) + (x.numel() if a["residual"] is not None else 0)
+        return flops, macs
     if name == "bias_dropout_add_fwd":
         return _bda(a["x"], a["bias"], a["residual"], a["p"]), 0
     if name == "dropout_bwd":

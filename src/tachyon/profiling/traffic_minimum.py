@@ -4,8 +4,12 @@ A measured count (traffic.py) means little alone; beside the anchor it says who 
 minimum it says how much is left to win. The minimum of a unit is the ideal program for the same
 math with the same GEMMs:
 
-- every GEMM is one cuBLAS-style call that reads its two operands (and bias, or the matrix it
-  accumulates into) once and writes its result once; nothing fuses across a GEMM;
+- every GEMM is one call that reads its two operands (and bias, or the matrix it accumulates
+  into) once and writes its result once; nothing fuses across a GEMM but an MLP's activation:
+  its bias + activation run in the epilogue of the GEMM before it (which writes the
+  pre-activation, kept for backward, and the activation), and its backward in the epilogue of the
+  dX GEMM that makes the activation's gradient (which reads the pre-activation and writes its
+  gradient and the bias gradient);
 - attention is one flash kernel forward (reads q, k, v, writes the context and the fp32
   logsumexp) and one backward (reads q, k, v, the context, its gradient and the logsumexp; writes
   dq, dk, dv and the qkv bias gradient as column sums);
@@ -141,8 +145,7 @@ def bert_layer_minimum(
         p.step("bias+dropout+residual+LN_attn", 2 * th + 3 * h, 2 * th, written_fp32=stats)
     else:  # y1 = LN1(x + dropout(a + bo)); z1 kept unless invertible
         p.step("bias+dropout+residual+LN1", 2 * th + 3 * h, th + (th if keep_z else 0), written_fp32=stats)
-    p.linear("intermediate", t, h, i, bias=False, backward=False)
-    p.step("bias+GELU", ti + i, ti)
+    p.step("intermediate GEMM + bias + GELU", th + h * i + i, 2 * ti)  # writes pre and GELU(pre)
     p.linear("output", t, i, h, bias=False, backward=False)
     if pre_layer_norm:
         p.step("bias+dropout+residual", 2 * th + h, th)
@@ -157,9 +160,9 @@ def bert_layer_minimum(
     else:
         p.step("bias+dropout+residual+LN2 backward", 2 * th + 2 * h, grad_out * th + 3 * h, read_fp32=stats)
     if gelu_checkpoint:
-        p.step("GELU recompute", ti + i, ti)
-    p.linear("output", t, i, h, bias=False, backward=True)
-    p.step("bias+GELU backward", 2 * ti + i, ti + i)
+        p.step("GELU recompute", ti, ti)  # from the kept pre-activation
+    p.step("output dX GEMM + GELU backward", th + h * i + ti, ti + i)  # reads pre; writes dpre, dbias
+    p.gemm("output dW GEMM", h, t, i)
     p.linear("intermediate", t, h, i, bias=False, backward=True)
     # LN backward reads the two gradient parts of its output (GEMM dX and the residual's) and z or y
     p.step("bias+dropout+residual+LN backward", 3 * th + 2 * h, grad_out * th + 3 * h, read_fp32=stats)
@@ -205,8 +208,7 @@ def transformer_layer_minimum(
     _attention_steps(p, t, heads, kv, d, bias=bias, backward=False)
     p.linear("proj", t, heads * d, h, bias=False, backward=False)
     p.step("bias+dropout+residual+norm2", 2 * th + (b + nparams) * h, 2 * th, written_fp32=stats)
-    p.linear("fc1", t, h, f1, bias=False, backward=False)
-    p.step("bias+activation", t * f1 + b * f1, t * ffn)
+    p.step("fc1 GEMM + bias + activation", th + h * f1 + b * f1, t * f1 + t * ffn)  # writes pre and act(pre)
     p.linear("fc2", t, ffn, h, bias=False, backward=False)
     p.step("bias+dropout+residual", 2 * th + b * h, th)
     if not backward:
@@ -215,8 +217,8 @@ def transformer_layer_minimum(
     # (no dropout and no bias: fc2's gradient is out's, nothing to do)
     if dropout or bias:
         p.step("bias+dropout+residual backward", th, (th if dropout else 0) + b * h)
-    p.linear("fc2", t, ffn, h, bias=False, backward=True)
-    p.step("bias+activation backward", t * ffn + t * f1 + b * f1, t * f1 + b * f1)
+    p.step("fc2 dX GEMM + activation backward", th + h * ffn + t * f1, t * f1 + b * f1)  # reads pre
+    p.gemm("fc2 dW GEMM", h, t, ffn)
     p.linear("fc1", t, h, f1, bias=False, backward=True)
     # norm2 backward: reads its output's gradient, h's residual gradient and h; writes h's total
     # gradient (also x's residual gradient) and, with dropout, the masked one for proj

@@ -22,8 +22,8 @@ gradient; writes the context in [batch, seq, hidden] and dq, dk, dv into one pac
 saves the packed qkv, the context and the row logsumexp; the [seq, seq] probabilities and their
 dropout mask are never stored) -> F.linear (Wo, no bias) -> ``bias_dropout_add_layer_norm`` (bias
 + dropout + residual + LN in one op; the dropout mask is regenerated from its Philox seed in
-backward) -> F.linear (Wi, no bias) -> ``bias_act_linear`` (bias + erf-GELU + the Wout GEMM as one
-op) -> ``bias_dropout_add[_layer_norm]``. Tensors that feed a residual and something else get
+backward) -> ``mlp`` (the Wi GEMM with bias + erf-GELU in its epilogue, then the Wout GEMM; in
+backward the Wout dX GEMM applies GELU's derivative in its epilogue) -> ``bias_dropout_add[_layer_norm]``. Tensors that feed a residual and something else get
 one gradient, not two added afterwards: in post-LN x and y1 feed a GEMM (``linear_with_residual``:
 the dX GEMM accumulates the residual's gradient), in pre-LN x feeds LN_in (``layer_norm(...,
 return_residual=True)``: its backward kernel adds it). Bytes and launches of a step:
@@ -377,12 +377,12 @@ class TransformerKernelLayer(nn.Module):
                                                eps, p_hidden, seeds[_SITE_ATTN_OUT], training=active, invertible=inv,
                                                return_residual=pre, backend=be)
         y1, z1 = normed if pre else (normed, None)
-        if c.pre_layer_norm:
-            h, y1_res = F.linear(y1, self.inter_w), None
-        else:  # y1 is also LN_out's residual: its two gradients are summed by the Wi dX GEMM
-            h, y1_res = K.linear_with_residual(y1, self.inter_w)
-        f = K.bias_act_linear(h, self.inter_b, "gelu", self.output_w, None, checkpoint_activation=c.gelu_checkpoint,
-                              backend=be)
+        # Wi GEMM + bias + GELU (one Triton GEMM: its epilogue writes the pre-activation and the
+        # GELU output) -> Wout GEMM; in backward the Wout dX GEMM's epilogue applies GELU's derivative.
+        # Post-LN: y1 is also LN_out's residual, its two gradients summed by the Wi dX GEMM.
+        ffn = K.mlp(y1, self.inter_w, self.inter_b, "gelu", self.output_w, None, checkpoint_activation=c.gelu_checkpoint,
+                    return_residual=not pre, backend=be)
+        f, y1_res = (ffn, None) if pre else ffn
         if c.pre_layer_norm:
             output_b = self.output_b
             if scale != 1.0:

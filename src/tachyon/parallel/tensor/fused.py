@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from tachyon.fp8.linear import fp8_linear
 from tachyon.nn.attention import DotProductAttention, MultiheadAttention, takes_fused_calls
 from tachyon.nn.layernorm_linear import LayerNormLinear, apply_norm
-from tachyon.nn.layernorm_mlp import GATED, LayerNormMLP, te_activation
+from tachyon.nn.layernorm_mlp import GATED, LayerNormMLP, ffn
 from tachyon.nn.linear import Linear, check_input, compute_dtype, te_outputs
 from tachyon.nn.transformer_layer import _SITE_ATTN_PROBS, _SITE_INTER_PROBS, TransformerLayer
 from tachyon.parallel.tensor.comm import (
@@ -103,12 +103,8 @@ class ParallelLayerNormMLP(LayerNormMLP):
         check_input("LayerNormMLP", x, self.hidden_size)
         dtype = compute_dtype(self.fc1_weight, x)
         ln_out = x.to(dtype) if input_is_normalized else apply_norm(self, x.to(dtype), dtype)
-        h = fp8_linear(_enter_gemm(ln_out, self), self.fc1_weight.to(dtype), None, self.fp8_scaling["fc1"],
-                       is_first_microbatch=is_first_microbatch)
         fc1_bias = self.fc1_bias.to(dtype) if self.fc1_bias is not None else None
-        a = te_activation(h, fc1_bias, self.activation, self.backend)
-        y = fp8_linear(a, self.fc2_weight.to(dtype), None, self.fp8_scaling["fc2"], is_first_microbatch=is_first_microbatch)
-        y = _leave_gemm(y, self)
+        y = _leave_gemm(ffn(self, _enter_gemm(ln_out, self), dtype, fc1_bias, None, is_first_microbatch), self)
         fc2_bias = self.fc2_bias.to(dtype) if self.fc2_bias is not None else None
         if fc2_bias is not None and not self.return_bias:
             y = y + fc2_bias
