@@ -68,3 +68,44 @@ def test_pld_with_zero_1_and_2_bf16_and_gradient_accumulation_on_two_ranks():
     for stage, (r0, r1) in zip((1, 2), zip(*results)):
         assert r0 == r1, f"stage {stage}: the ranks saw different steps: {r0} vs {r1}"
         assert r0["dropped"] >= 1 and r0["kept"] >= 3, f"stage {stage}: not enough of both cases: {r0}"
+
+
+def tensor_parallel_seeds() -> dict:
+    """tp=2: first each rank seeded differently (refused at initialize, model untouched), then
+    both alike (initialize accepts; two PLD steps run, drawing the same decisions on both ranks)."""
+    import torch.distributed as dist
+
+    import tachyon
+    from tachyon.config import ConfigError
+    from tests.engine.test_pld import HIDDEN, MICRO, SEQ, Stack
+
+    rank = dist.get_rank()
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6, "tensor_parallel": {"tp_size": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "progressive_layer_drop": {"enabled": True, "theta": 0.1, "gamma": 3.0}}
+    model = Stack(depth=3)
+    torch.manual_seed(10 + rank)
+    try:
+        tachyon.initialize(model=model, config=config)
+        refused = ""
+    except ConfigError as error:
+        refused = str(error)
+    untouched = getattr(model, "_tachyon_tp", None) is None
+    torch.manual_seed(10)
+    engine, *_ = tachyon.initialize(model=model, config=config)
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(MICRO, SEQ, HIDDEN, generator=gen), torch.randn(MICRO, SEQ, generator=gen)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    engine.destroy()
+    return {"refused": refused, "untouched": untouched, "forwards": model.forwards}
+
+
+def test_pld_with_tensor_parallelism_refuses_ranks_seeded_apart():
+    results = run_distributed(tensor_parallel_seeds, 2, timeout=240)
+    for rank, r in enumerate(results):
+        assert "torch's default generator on this rank" in r["refused"] and "Seed them alike" in r["refused"], r
+        assert f"tensor-parallel rank(s) [{1 - rank}]" in r["refused"], r["refused"]
+        assert r["untouched"], "refused after the model was made tensor parallel"
+    assert results[0]["forwards"] == results[1]["forwards"], "seeded alike, the ranks drew the same layers"

@@ -35,6 +35,7 @@ first few hundred steps the two corrections differ by less than 1e-3 relative.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,6 +46,31 @@ import torch.distributed as dist
 
 PLD_KWARGS = ("progressive_layer_drop", "pld_theta")
 """The keyword arguments the engine adds to the model's forward (DeepSpeed's names)."""
+
+
+def check_tensor_parallel_generators(tp: Any, device: torch.device) -> None:
+    """Refuse PLD over tensor-parallel ranks whose default CPU generators differ.
+
+    The layers draw their keep decisions from torch's default CPU generator inside the model, so
+    the ranks of one model copy must draw the same numbers: a rank that keeps a layer its peer
+    drops waits in that layer's all-reduce forever. Seeding every rank alike (torch.manual_seed
+    with one seed) is the user's part, as in Megatron; this check turns the hang into an error at
+    initialize. tp: the TPGroup (group, size, rank); one all-gather of 8 bytes."""
+    state = torch.get_rng_state()
+    digest = int.from_bytes(hashlib.blake2b(state.numpy().tobytes(), digest_size=7).digest(), "little")
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(tp.size)]
+    dist.all_gather(every, mine, group=tp.group)
+    differ = [rank for rank, d in enumerate(every) if int(d) != digest]
+    if differ:
+        from tachyon.config import ConfigError
+
+        raise ConfigError(
+            f"progressive_layer_drop with tensor parallelism (tp={tp.size}): torch's default generator on this rank "
+            f"(tensor-parallel rank {tp.rank}) differs from tensor-parallel rank(s) {differ}; the layers draw their "
+            "keep decisions from it, and ranks of one model copy that draw differently wait for each other forever. "
+            "Seed them alike (torch.manual_seed(seed) with the same seed on every rank of a model copy) before "
+            "tachyon.initialize")
 
 
 class ProgressiveLayerDrop:

@@ -89,6 +89,12 @@ def initialize(
     if must_init:
         _init_distributed()
     mesh = build_mesh(layout, model, mpu)
+    if cfg.progressive_layer_drop.enabled and mesh is not None and layout.tp > 1:
+        from tachyon.parallel.tensor import tp_group
+
+        from .pld import check_tensor_parallel_generators
+
+        check_tensor_parallel_generators(tp_group(mesh), _device())
     if mesh is not None and layout.tp > 1 and getattr(model, "_tachyon_tp", None) is None:
         from tachyon.parallel.tensor import parallelize
 
