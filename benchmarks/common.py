@@ -16,6 +16,7 @@ import datetime
 import os
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -52,6 +53,9 @@ class Timing:
     median_ms: float
     p20_ms: float
     p80_ms: float
+    # GPU time alone: the median of the same call replayed from a CUDA graph (no host work between
+    # kernels, L2 not flushed). None on CPU, where capture failed, or with TACHYON_BENCH_GRAPH=0.
+    graph_ms: float | None = None
 
     def rate(self, amount: float) -> float:
         """amount per second at the median (e.g. FLOPs -> FLOP/s, bytes -> B/s)."""
@@ -66,7 +70,7 @@ def bench(fn: Callable[[], Any], *, warmup: int = 10, rep: int = 50, device: str
             import triton.testing
 
             p20, med, p80 = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.2, 0.5, 0.8])
-            return Timing(med, p20, p80)
+            return Timing(med, p20, p80, graph_time(fn))
         except ImportError:
             pass
         for _ in range(warmup):
@@ -90,6 +94,23 @@ def bench(fn: Callable[[], Any], *, warmup: int = 10, rep: int = 50, device: str
             times.append((time.perf_counter() - t0) * 1e3)
     q = statistics.quantiles(times, n=10, method="inclusive")
     return Timing(statistics.median(times), q[1], q[7])
+
+
+def graph_time(fn: Callable[[], Any]) -> float | None:
+    """Median ms of ``fn`` replayed from a CUDA graph (triton.testing.do_bench_cudagraph): what the
+    GPU spends, without the host time (Python, autograd, launches) that eager timing includes
+    wherever the host is slower than the kernels. None where ``fn`` cannot be captured (the reason
+    goes to stderr) or TACHYON_BENCH_GRAPH=0."""
+    if os.environ.get("TACHYON_BENCH_GRAPH", "1") == "0" or not torch.cuda.is_available():
+        return None
+    try:
+        import triton.testing
+
+        return float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
+    except Exception as exc:  # a call that syncs or allocates in a way capture refuses
+        print(f"graph_time: not captured ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
 
 
 def peak_memory(fn: Callable[[], Any]) -> int:
@@ -156,6 +177,8 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None =
     columns = list(columns or rows[0].keys())
 
     def cell(v: Any) -> str:
+        if v is None:
+            return ""
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 
     body = [[cell(r.get(c, "")) for c in columns] for r in rows]

@@ -1,6 +1,10 @@
-"""Test-wide set-up: Triton's CPU interpreter where there is no GPU, and the gpu marker's skip."""
+"""Test-wide set-up: Triton's CPU interpreter where there is no GPU, the gpu marker's skip, and
+(with TACHYON_FAILURE_LOG set, as benchmarks/gpu.sh does) each failure written to that file the
+moment it is reported, so a run stopped by a time limit still names the tests that failed."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -19,6 +23,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("TACHYON_FAILURE_LOG")
+    # under pytest-xdist the controller receives every worker's reports: write from it alone
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"=== FAILED {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n")
 
 
 @pytest.fixture(autouse=True)
