@@ -232,12 +232,56 @@ for kernel, consts in (
              if n.isupper() and n not in ("N", "M") and n not in consts}  # pointers; ints default to i32
     types.update({"eps": "fp32"} if "eps" in kernel.arg_names else {})
     compile_sm90(kernel, types, consts, num_warps=min(max(consts["BLOCK_N"] // 256, 1), 16))
+
+from tachyon.kernels import tiling  # the backward's partial sums: (column block, group) programs
+
+compile_sm90(tiling._sum_partials_kernel, {"PART": "*fp32", "OUT0": "*bf16", "OUT1": "*bf16", "OUT2": "*fp32",
+             "P": "i32", "N": "i32"}, dict(BLOCK_P=128, BLOCK_N=32), num_warps=4)
 """
 
 
 def test_kernels_compile_for_an_h100_without_a_gpu():
     """The interpreter never runs Triton's compiler: build the GPU path (TTIR -> PTX -> cubin with
-    Triton's bundled ptxas) for compute capability 9.0 in bf16, both norms, every flag."""
+    Triton's bundled ptxas) for compute capability 9.0 in bf16, both norms, every flag, and the
+    kernel that sums the backward's partial rows."""
     from tests.utils.aot import compile_in_subprocess
 
-    compile_in_subprocess(_AOT_SCRIPT, expected=4)
+    compile_in_subprocess(_AOT_SCRIPT, expected=5)
+
+
+@pytest.mark.parametrize("n,groups,sms,expected", [
+    (1024, 2, 132, 32),     # BERT-Large's LayerNorm: 32 column blocks x 2 groups, not 1 x 2
+    (4096, 1, 132, 32),     # an FFN bias: 128 programs
+    (16384, 1, 132, 128),   # wide rows: 128 programs of 128 columns
+    (100, 3, 132, 32),      # narrow rows: never under one 128-byte line per row
+    (16, 1, 132, 16),       # rows narrower than a line: one block
+    (1 << 20, 1, 132, 1024),  # never wider than 1024
+])
+def test_partial_sums_fill_the_gpu(monkeypatch, n, groups, sms, expected):
+    """On a GPU the partial-row sums use narrow column blocks so that (column block, group)
+    programs fill the SMs; under the interpreter, few wide ones."""
+    from tachyon.kernels import tiling
+
+    assert tiling.sum_block_n(n, groups, torch.device("cpu")) == min(triton_next_pow2(n), 1024)
+    monkeypatch.setattr(tiling, "INTERPRETER_AS_SMS", sms)
+    assert tiling.sum_block_n(n, groups, torch.device("cpu")) == expected
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_sum_partials_matches_torch(monkeypatch, groups):
+    """Every group's column sums, with the GPU's narrow blocks as well as the interpreter's."""
+    from tachyon.kernels import tiling
+
+    part = torch.randn(37, groups * 300)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16][:groups]
+    for sms in (None, 132):
+        monkeypatch.setattr(tiling, "INTERPRETER_AS_SMS", sms)
+        outs = tiling.sum_partials(part, dtypes)
+        for g, (out, dt) in enumerate(zip(outs, dtypes)):
+            ref = part[:, g * 300:(g + 1) * 300].sum(0)
+            assert out.dtype == dt
+            torch.testing.assert_close(out, ref.to(dt), rtol=1e-5 if dt == torch.float32 else 1e-2, atol=1e-5)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

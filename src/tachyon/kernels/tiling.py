@@ -75,22 +75,37 @@ def row_split(m: int, block_m: int, col_blocks: int, device: torch.device) -> tu
 
 @triton.jit
 def _sum_partials_kernel(
-    PART, OUT0, OUT1, OUT2, P, N, stride_p, GROUPS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    PART, OUT0, OUT1, OUT2, P, N, stride_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # program (column block, group): the sum over all P rows of one group's BLOCK_N columns
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1)
     col_ok = cols < N
-    for g in tl.static_range(GROUPS):
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for p0 in range(0, P, BLOCK_P):
-            rows = p0 + tl.arange(0, BLOCK_P)
-            mask = (rows[:, None] < P) & col_ok[None, :]
-            acc += tl.sum(tl.load(PART + rows[:, None] * stride_p + g * N + cols[None, :], mask=mask, other=0.0), axis=0)
-        if g == 0:
-            tl.store(OUT0 + cols, acc.to(OUT0.dtype.element_ty), mask=col_ok)
-        elif g == 1:
-            tl.store(OUT1 + cols, acc.to(OUT1.dtype.element_ty), mask=col_ok)
-        else:
-            tl.store(OUT2 + cols, acc.to(OUT2.dtype.element_ty), mask=col_ok)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        mask = (rows[:, None] < P) & col_ok[None, :]
+        acc += tl.load(PART + rows[:, None] * stride_p + g * N + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if g == 0:
+        tl.store(OUT0 + cols, total.to(OUT0.dtype.element_ty), mask=col_ok)
+    elif g == 1:
+        tl.store(OUT1 + cols, total.to(OUT1.dtype.element_ty), mask=col_ok)
+    else:
+        tl.store(OUT2 + cols, total.to(OUT2.dtype.element_ty), mask=col_ok)
+
+
+def sum_block_n(n: int, groups: int, device: torch.device) -> int:
+    """Columns per program of :func:`sum_partials`. On a GPU, narrow enough that the
+    (column block, group) programs fill the SMs, down to 32 fp32 columns (one 128-byte line per
+    row): with 1024 columns per program, as under the interpreter, a 1024-wide LayerNorm's two
+    partial buffers were summed by 2 programs on 2 of 132 SMs. Under the interpreter, few wide
+    programs (each program costs milliseconds)."""
+    widest = min(triton.next_power_of_2(n), 1024)
+    if device.type != "cuda" and not INTERPRETER_AS_SMS:
+        return widest
+    sms = max_programs(device) // 8
+    return max(min(32, widest), min(widest, triton.next_power_of_2(triton.cdiv(n * groups, sms))))
 
 
 def partials(programs: int, groups: int, n: int, device: torch.device) -> torch.Tensor:
@@ -111,10 +126,10 @@ def sum_partials(part: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Te
     outs = [torch.empty(n, dtype=dt, device=part.device) for dt in dtypes]
     if n == 0:
         return outs
-    block_n = min(triton.next_power_of_2(n), 1024)
+    block_n = sum_block_n(n, groups, part.device)
     block_p = min(triton.next_power_of_2(p), max(1, TILE // block_n))
     pad = outs + [outs[0]] * (3 - groups)
-    _sum_partials_kernel[(triton.cdiv(n, block_n),)](
-        part, *pad, p, n, part.stride(0), GROUPS=groups, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
+    _sum_partials_kernel[(triton.cdiv(n, block_n), groups)](
+        part, *pad, p, n, part.stride(0), BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
     )
     return outs
