@@ -166,3 +166,60 @@ def test_amax_is_reduced_over_the_fp8_group_on_two_ranks():
     x_amax = max(r0["x_amax"], r1["x_amax"])
     assert r0["input_scale"] == r1["input_scale"] == pytest.approx(448.0 / x_amax, rel=1e-6)
     assert r0["grad_scale"] == r1["grad_scale"] == 57344.0 / 2.0
+
+
+def _states_with_histories(n: int, backward: bool, length: int) -> list[ScalingState]:
+    gen = torch.Generator().manual_seed(n)
+    specials = [0.0, float("inf"), float("nan"), 1e-45, 3e38]
+    states = []
+    for i in range(n):
+        s = ScalingState(length, backward=backward)
+        s.amax_history.copy_(torch.rand(length, generator=gen) * 10 ** (i % 5 - 2))
+        if i % 3 == 1:
+            s.amax_history[:] = specials[i % len(specials)]  # every entry: no usable amax, or an extreme one
+        s.scale.fill_(0.5 + i)
+        s.scale_inv.copy_(1.0 / s.scale)
+        states.append(s)
+    return states
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_update_scales_together_matches_one_by_one(algo, margin):
+    """update_scales updates the states of one recipe and role together (stacked): the same
+    scales, inverses and rolled histories bit for bit as ScalingState.update one at a time,
+    including histories of zeros, inf, NaN and extreme values (the scale is kept there)."""
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=algo, margin=margin)
+    together = _states_with_histories(6, False, 4) + _states_with_histories(5, True, 4)
+    alone = _states_with_histories(6, False, 4) + _states_with_histories(5, True, 4)
+    update_scales((s, recipe, None) for s in together)
+    for s in alone:
+        s.update(recipe)
+    for a, b in zip(together, alone):
+        for name in ("scale", "scale_inv", "amax_history"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=0, equal_nan=True)
+    assert together[0].amax_history[0] == 0 and together[1].scale == 1.5  # rolled; an inf history keeps its scale
+
+
+def test_update_scales_launches_do_not_grow_with_states():
+    """The 8 states a TransformerLayer's four GEMMs update at fp8_autocast's exit cost about as
+    many ops as one state alone did, not 8 times as many."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func not in (torch.ops.aten.unbind.int, torch.ops.aten.select.int, torch.ops.aten.view.default):
+                Count.ops += 1  # views move no data and launch nothing
+            return func(*args, **(kwargs or {}))
+
+    recipe = DelayedScaling()
+    one = _states_with_histories(1, False, 16)
+    with Count():
+        update_scales([(one[0], recipe, None)])
+    single, Count.ops = Count.ops, 0
+    eight = _states_with_histories(8, False, 16)
+    with Count():
+        update_scales((s, recipe, None) for s in eight)
+    assert Count.ops <= single + 6, (Count.ops, single)

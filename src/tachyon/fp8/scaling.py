@@ -201,8 +201,38 @@ def update_scales(items: Iterable[tuple[ScalingState, DelayedScaling, object]]) 
             by_group.setdefault(id(group), (group, []))[1].append(state)
     for group, states in by_group.values():
         reduce_amax(states, group)
+    together: dict[tuple, tuple[DelayedScaling, list[ScalingState]]] = {}
     for state, recipe, _ in items:
-        state.update(recipe)
+        if recipe.amax_compute_algo in ("max", "most_recent"):
+            key = (id(recipe), state.backward, state.amax_history.numel(), state.amax_history.device)
+            together.setdefault(key, (recipe, []))[1].append(state)
+        else:  # a callable takes one history at a time
+            state.update(recipe)
+    for recipe, states in together.values():
+        if len(states) == 1:
+            states[0].update(recipe)
+        else:
+            _update_together(states, recipe)
+
+
+@torch.no_grad()
+def _update_together(states: list[ScalingState], recipe: DelayedScaling) -> None:
+    """:meth:`ScalingState.update` for several states of one recipe, role, history length and
+    device: the same elementwise ops on their stacked histories and scales, so the same values bit
+    for bit, in about 20 launches for all of them instead of about 15 per state (a TransformerLayer
+    under fp8_autocast updates 8 states each time the context exits: kernel launches whose host
+    time a GPU otherwise waits on)."""
+    history = torch.stack([s.amax_history for s in states])
+    amax = history.amax(dim=1) if recipe.amax_compute_algo == "max" else history[:, 0].clone()
+    candidate = states[0].fp8_max(recipe) / amax / (2.0 ** recipe.margin)
+    usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(candidate) & (candidate > 0)
+    scale = torch.where(usable, candidate, torch.stack([s.scale for s in states]))
+    scale_inv = 1.0 / scale
+    history = torch.roll(history, 1, dims=1)
+    history[:, 0] = 0.0
+    torch._foreach_copy_([s.scale for s in states], list(scale.unbind(0)))
+    torch._foreach_copy_([s.scale_inv for s in states], list(scale_inv.unbind(0)))
+    torch._foreach_copy_([s.amax_history for s in states], list(history.unbind(0)))
 
 
 __all__ = ["ROLES", "CachedWeight", "GemmScaling", "ScalingState", "reduce_amax", "update_scales"]
