@@ -96,12 +96,12 @@ def main() -> None:
                         torch.cuda.empty_cache()
                         continue
                     tflops = t.rate(flops) / 1e12
-                    row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, graph_ms=t.graph_ms, **{"TFLOP/s": tflops},
+                    row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, graph_ms=t.graph_ms, host_ms=t.host_ms, **{"TFLOP/s": tflops},
                                frac_matmul_peak=tflops * 1e12 / peaks[dtype], peak_mem_MB=mem / 2**20, note="")
                     rows.append(row)
             del q, k, v, dout
             torch.cuda.empty_cache()
-    columns = ["shape", "b,h,kv,s,d", "causal", "dtype", "variant", "mode", "median_ms", "p20_ms", "p80_ms", "graph_ms",
+    columns = ["shape", "b,h,kv,s,d", "causal", "dtype", "variant", "mode", "median_ms", "p20_ms", "p80_ms", "graph_ms", "host_ms",
                "TFLOP/s", "frac_matmul_peak", "peak_mem_MB", "note"]
     print_table(rows, columns, title="Attention")
     write_csv(output_dir() / "bench_attention.csv", rows, "attention")

@@ -63,7 +63,7 @@ def main() -> None:
                         rows.append({
                             "op": kind, "dtype": str(dtype).removeprefix("torch."), "shape": f"{m}x{n}",
                             "variant": name, "mode": mode, "median_ms": t.median_ms, "p20_ms": t.p20_ms,
-                            "p80_ms": t.p80_ms, "graph_ms": t.graph_ms, "GB/s": gbs, "frac_copy_bw": gbs * 1e9 / copy_bw,
+                            "p80_ms": t.p80_ms, "graph_ms": t.graph_ms, "host_ms": t.host_ms, "GB/s": gbs, "frac_copy_bw": gbs * 1e9 / copy_bw,
                             "peak_mem_MB": peak_memory(fn) / 2**20,
                         })
     print_table(rows, title="LayerNorm / RMSNorm")

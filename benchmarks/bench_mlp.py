@@ -86,7 +86,7 @@ def main() -> None:
                     t = bench(f)
                     tflops = t.rate(flops) / 1e12
                     rows.append({"shape": name, "dtype": str(dtype).removeprefix("torch."), "variant": variant,
-                                 "mode": mode, "median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "graph_ms": t.graph_ms,
+                                 "mode": mode, "median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "graph_ms": t.graph_ms, "host_ms": t.host_ms,
                                  "TFLOP/s": tflops, "frac_matmul_peak": tflops * 1e12 / peak,
                                  "peak_mem_MB": peak_memory(f) / 2**20})
     print_table(rows, title="MLP block: activation in the GEMM epilogues vs cuBLAS + a separate kernel")

@@ -185,7 +185,7 @@ def run(shape: dict, dtypes, device: str = "cuda", bf16_peak: float | None = Non
                 rows.append({
                     "variant": name, "dtype": str(dtype).removeprefix("torch."), "mode": mode,
                     "shape": "h{hidden} f{ffn} a{heads} s{seq} b{batch}".format(**shape),
-                    "median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "graph_ms": t.graph_ms, "TFLOP/s": tflops,
+                    "median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "graph_ms": t.graph_ms, "host_ms": t.host_ms, "TFLOP/s": tflops,
                     "frac_bf16_peak": tflops * 1e12 / bf16_peak if bf16_peak else float("nan"),
                     "speedup_vs_torch.nn": baseline[mode] / t.median_ms, "peak_mem_MB": peak_memory(fn) / 2**20,
                 })

@@ -158,7 +158,7 @@ def speed_rows(quick: bool) -> list[dict]:
                     rate = t.rate(flops)
                     rows.append({
                         "layer": name, "dtype": str(dtype).removeprefix("torch."), "seq": seq, "batch": batch,
-                        "mode": mode, "median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "graph_ms": t.graph_ms,
+                        "mode": mode, "median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "graph_ms": t.graph_ms, "host_ms": t.host_ms,
                         "TFLOP/s": rate / 1e12, "frac_matmul_peak": rate / peaks[dtype],
                         "peak_mem_MB": peak_memory(fn) / 2**20,
                     })

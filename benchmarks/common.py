@@ -56,6 +56,9 @@ class Timing:
     # GPU time alone: the median of the same call replayed from a CUDA graph (no host work between
     # kernels, L2 not flushed). None on CPU, where capture failed, or with TACHYON_BENCH_GRAPH=0.
     graph_ms: float | None = None
+    # Host time alone: ms per call of 10 calls issued back to back without waiting for the GPU
+    # (what Python, autograd and the launches cost; the GPU queue does not fill in 10 calls).
+    host_ms: float | None = None
 
     def rate(self, amount: float) -> float:
         """amount per second at the median (e.g. FLOPs -> FLOP/s, bytes -> B/s)."""
@@ -70,7 +73,7 @@ def bench(fn: Callable[[], Any], *, warmup: int = 10, rep: int = 50, device: str
             import triton.testing
 
             p20, med, p80 = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.2, 0.5, 0.8])
-            return Timing(med, p20, p80, graph_time(fn))
+            return Timing(med, p20, p80, graph_time(fn), host_time(fn))
         except ImportError:
             pass
         for _ in range(warmup):
@@ -94,6 +97,18 @@ def bench(fn: Callable[[], Any], *, warmup: int = 10, rep: int = 50, device: str
             times.append((time.perf_counter() - t0) * 1e3)
     q = statistics.quantiles(times, n=10, method="inclusive")
     return Timing(statistics.median(times), q[1], q[7])
+
+
+def host_time(fn: Callable[[], Any], calls: int = 10) -> float:
+    """ms of host time per call: ``calls`` calls issued back to back, timed on the host without
+    waiting for the GPU in between (a call that synchronizes includes the GPU's time)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e3
 
 
 def graph_time(fn: Callable[[], Any]) -> float | None:
