@@ -124,7 +124,11 @@ def graph_time(fn: Callable[[], Any]) -> float | None:
         return float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
     except Exception as exc:  # a call that syncs or allocates in a way capture refuses
         print(f"graph_time: not captured ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})", file=sys.stderr)
-        torch.cuda.synchronize()
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # a capture that left the context unusable: no more graphs in this process
+            os.environ["TACHYON_BENCH_GRAPH"] = "0"
+            print("graph_time: CUDA context damaged by the failed capture; graph timing off from here", file=sys.stderr)
         return None
 
 
