@@ -223,3 +223,24 @@ def test_update_scales_launches_do_not_grow_with_states():
     with Count():
         update_scales((s, recipe, None) for s in eight)
     assert Count.ops <= single + 6, (Count.ops, single)
+
+
+@pytest.mark.parametrize("fp8_max", [448.0, 57344.0])
+@pytest.mark.parametrize("margin", [0, 1, 3])
+def test_new_scales_is_the_delayed_scaling_formula(fp8_max, margin):
+    """The scale update's short form (3 ops for the test) equals, bit for bit, the recipe's
+    definition: fp8_max / amax / 2**margin where amax and that are finite and positive, else the
+    old scale; over amaxes from 1e-45 to 1e38 and 0, inf, NaN, negatives."""
+    from tachyon.fp8.scaling import _new_scales
+
+    gen = torch.Generator().manual_seed(margin)
+    exponents = torch.randint(-45, 39, (4000,), generator=gen).float()
+    amax = torch.cat([torch.rand(4000, generator=gen) * 10 ** exponents,
+                      torch.tensor([0.0, float("inf"), float("nan"), 1e-45, 1e-40, 3.4e38, -1.0, -float("inf")])])
+    old = torch.full_like(amax, 0.37)
+    candidate = fp8_max / amax / (2.0 ** margin)
+    usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(candidate) & (candidate > 0)
+    expected = torch.where(usable, candidate, old)
+    scale, scale_inv = _new_scales(amax, old, fp8_max, margin)
+    assert torch.equal(scale, expected) and torch.equal(scale_inv, 1.0 / expected)
+    assert (~usable).sum() > 8  # the kept-scale branch is exercised

@@ -81,11 +81,9 @@ class ScalingState:
     @torch.no_grad()
     def update(self, recipe: DelayedScaling) -> None:
         """New scale from the history, then roll the history. Assumes history[0] is already reduced."""
-        amax = self.compute_amax(recipe)
-        candidate = self.fp8_max(recipe) / amax / (2.0 ** recipe.margin)
-        usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(candidate) & (candidate > 0)
-        self.scale.copy_(torch.where(usable, candidate, self.scale))
-        self.scale_inv.copy_(1.0 / self.scale)
+        scale, scale_inv = _new_scales(self.compute_amax(recipe), self.scale, self.fp8_max(recipe), recipe.margin)
+        self.scale.copy_(scale)
+        self.scale_inv.copy_(scale_inv)
         self.amax_history.copy_(torch.roll(self.amax_history, 1))
         self.amax_history[0] = 0.0
 
@@ -215,19 +213,30 @@ def update_scales(items: Iterable[tuple[ScalingState, DelayedScaling, object]]) 
             _update_together(states, recipe)
 
 
+def _new_scales(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, scale_inv) from amax (elementwise): fp8_max / amax / 2**margin where that is a
+    positive finite number, else the old scale kept (amax 0, inf or NaN, or so small that the
+    scale overflows). ``fp8_max / amax`` is what torch computes for a float over a tensor,
+    reciprocal then multiply; positive and below inf is the same test as amax and the candidate
+    both finite and positive (NaN fails both comparisons), in 3 ops rather than 13."""
+    candidate = amax.reciprocal() * fp8_max
+    if margin:
+        candidate = candidate / (2.0 ** margin)
+    scale = torch.where((candidate > 0) & (candidate < float("inf")), candidate, scale)
+    return scale, scale.reciprocal()
+
+
 @torch.no_grad()
 def _update_together(states: list[ScalingState], recipe: DelayedScaling) -> None:
     """:meth:`ScalingState.update` for several states of one recipe, role, history length and
     device: the same elementwise ops on their stacked histories and scales, so the same values bit
-    for bit, in about 20 launches for all of them instead of about 15 per state (a TransformerLayer
+    for bit, in about 16 ops for all of them instead of about 14 per state (a TransformerLayer
     under fp8_autocast updates 8 states each time the context exits: kernel launches whose host
     time a GPU otherwise waits on)."""
     history = torch.stack([s.amax_history for s in states])
-    amax = history.amax(dim=1) if recipe.amax_compute_algo == "max" else history[:, 0].clone()
-    candidate = states[0].fp8_max(recipe) / amax / (2.0 ** recipe.margin)
-    usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(candidate) & (candidate > 0)
-    scale = torch.where(usable, candidate, torch.stack([s.scale for s in states]))
-    scale_inv = 1.0 / scale
+    amax = history.amax(dim=1) if recipe.amax_compute_algo == "max" else history[:, 0]
+    scale, scale_inv = _new_scales(amax, torch.stack([s.scale for s in states]), states[0].fp8_max(recipe),
+                                   recipe.margin)
     history = torch.roll(history, 1, dims=1)
     history[:, 0] = 0.0
     torch._foreach_copy_([s.scale for s in states], list(scale.unbind(0)))
