@@ -347,8 +347,12 @@ def goal_rows(results: list[Result]) -> list[dict]:
             return
         t = r.counter.total
         x_anchor, x_min = t.bytes / anchor.counter.total.bytes, t.bytes / r.minimum.bytes
-        parts = [f"{x_anchor:.3f}x anchor (goal <= {max_anchor})", f"{x_min:.3f}x minimum (goal <= {max_minimum})"]
-        met = x_anchor <= max_anchor and x_min <= max_minimum
+        if max_anchor is None:  # the anchor goal is stated at another sequence length
+            parts = [f"{x_anchor:.3f}x anchor (its goal is at seq 512)", f"{x_min:.3f}x minimum (goal <= {max_minimum})"]
+            met = x_min <= max_minimum
+        else:
+            parts = [f"{x_anchor:.3f}x anchor (goal <= {max_anchor})", f"{x_min:.3f}x minimum (goal <= {max_minimum})"]
+            met = x_anchor <= max_anchor and x_min <= max_minimum
         if max_launches is not None:
             parts.append(f"{t.launches} launches (goal <= {max_launches})")
             met = met and t.launches <= max_launches
@@ -361,7 +365,7 @@ def goal_rows(results: list[Result]) -> list[dict]:
         for seq, batch in sorted({(r.seq, r.batch) for r in results if r.unit == unit}):
             check(f"{label} fwd+bwd, seq {seq}, batch {batch}, fp32{', no flags' if unit == 'bert' else ''}, "
                   f"vs {anchor}", find(unit, ours, seq=seq, batch=batch), find(unit, anchor, seq=seq, batch=batch),
-                  0.42, 1.15, 28)
+                  0.42 if seq == 512 else None, 1.15, 28)
     adam = find("adam", "tachyon FusedAdam")
     if adam is not None:
         t, m = adam.counter.total, adam.minimum
