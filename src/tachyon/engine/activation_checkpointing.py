@@ -303,6 +303,8 @@ def _synchronize_boundary() -> None:
 
 
 def _pack_to_cpu(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+    if tensor.numel() == 0:  # torch 2.11's checkpoint saves an empty holder tensor too: nothing to move
+        return tensor.device, tensor
     _stats["offloaded_tensors"] += 1
     _stats["offloaded_bytes"] += tensor.numel() * tensor.element_size()
     if tensor.device.type == "cpu":
@@ -368,7 +370,7 @@ def _pack_partitioned(tensor: torch.Tensor) -> tuple:
     with contiguous_memory_optimization, in CPU memory with cpu_checkpointing. Saved: the slice,
     the shape and the device."""
     tp = _tp
-    whole = (tp is None or tensor.numel() % tp.size or not tensor.is_floating_point()
+    whole = (tp is None or tensor.numel() == 0 or tensor.numel() % tp.size or not tensor.is_floating_point()
              or (tensor.is_leaf and tensor.requires_grad))  # parameters: sharded ones differ per rank
     if whole:
         return ("whole", _pack_to_cpu(tensor) if _settings.cpu_checkpointing else tensor)

@@ -84,7 +84,15 @@ def tied_lm_head(embedding: nn.Embedding, x: Tensor, vocab_size: int | None = No
     ``vocab_size`` columns (None: all; GPT pads its vocabulary to a multiple of 64, and the
     padded rows are never answers, so they stay out of the softmax as in GPT.logits)."""
     logits = F.linear(x, embedding.weight)
-    return logits if vocab_size is None or vocab_size == logits.shape[-1] else logits[..., :vocab_size]
+    return logits if vocab_size is None or vocab_size == logits.shape[-1] else _first_columns(logits, vocab_size)
+
+
+def _first_columns(logits: Tensor, vocab_size: int) -> Tensor:
+    """logits[..., :vocab_size] as a contiguous tensor: the last stage's output must have the
+    strides torch.distributed.pipelining recorded for it, and torch 2.11 records contiguous ones
+    with tensor parallelism (a stride mismatch error otherwise). One copy of the logits, only where
+    the vocabulary is padded."""
+    return logits[..., :vocab_size].contiguous()
 
 
 class LMHead(nn.Linear):
@@ -97,7 +105,7 @@ class LMHead(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         logits = super().forward(x)
-        return logits if self.vocab_size == logits.shape[-1] else logits[..., :self.vocab_size]
+        return logits if self.vocab_size == logits.shape[-1] else _first_columns(logits, self.vocab_size)
 
 
 def gpt_loss(logits: Tensor, labels: Tensor) -> Tensor:
