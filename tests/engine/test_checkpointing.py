@@ -226,7 +226,9 @@ def test_cpu_checkpointing_keeps_inputs_in_pinned_host_memory_on_cuda(monkeypatc
         ckpt.configure(partition_activations=True, checkpoint_in_cpu=True)
     packed = []
     original = ckpt._pack_to_cpu
-    monkeypatch.setattr(ckpt, "_pack_to_cpu", lambda t: packed.append(original(t)) or packed[-1])
+    # (torch 2.11's checkpoint also saves an empty holder tensor, which stays where it is)
+    monkeypatch.setattr(ckpt, "_pack_to_cpu", lambda t: packed.append(original(t)) or packed[-1] if t.numel()
+                        else original(t))
     model, x = _model_and_input()
     model, x = model.cuda(), x.cuda()
     got = _grads(model, x, "every_layer")
