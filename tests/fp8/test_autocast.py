@@ -371,3 +371,29 @@ def test_layernorm_mlp_fp8_on_gpu_matches_the_cpu_emulation(activation):
     names = ["out", "dx"] + [f"d{n}" for n, _ in cpu.named_parameters()]
     for n, a, e in zip(names, results[1], results[0]):
         assert_close(_normalized(a.cpu(), e), _normalized(e, e), dtype=E4M3 if n == "out" else E5M2, name=n)
+
+
+def test_one_backward_pass_updates_every_grad_scale_in_one_call(monkeypatch):
+    """The grad_output states of all FP8 GEMMs a backward pass ran are updated together when the
+    pass ends (one update_scales call, so one amax all-reduce per fp8_group), each from its own
+    amax; a GEMM run twice in the pass records the larger amax and updates once."""
+    import tachyon.fp8.linear as fl
+
+    calls = []
+    real = fl.update_scales
+    monkeypatch.setattr(fl, "update_scales", lambda items: calls.append(len(items)) or real(items))
+    first, shared, last = tnn.Linear(16, 16), tnn.Linear(16, 16), tnn.Linear(16, 16)
+    x = torch.randn(16, 16, requires_grad=True)
+    seen = {}
+    for name, layer in (("first", first), ("shared", shared), ("last", last)):
+        layer.register_full_backward_hook(lambda m, gi, go, name=name: seen.setdefault(name, []).append(go[0].abs().max().item()))
+    with fp8_autocast():
+        h = shared(first(x))
+        y = last(shared(h * 3))  # `shared` runs twice in the pass
+    y.backward(torch.randn(16, 16) * 5)
+    assert calls == [3]
+    for name, layer in (("first", first), ("shared", shared), ("last", last)):
+        history = layer.fp8_scaling["gemm"].grad_output.amax_history
+        assert history[0].item() == 0.0 and history[2].item() == 0.0  # rolled once
+        assert history[1].item() == pytest.approx(max(seen[name]), rel=1e-6)
+    assert len(seen["shared"]) == 2 and seen["shared"][0] != pytest.approx(seen["shared"][1], rel=0.05)
