@@ -23,8 +23,8 @@ a host round trip on a GPU). Delayed scaling instead uses the amaxes of *previou
 GEMM operand keeps an ``amax_history`` of the last ``amax_history_len`` steps. In step t the cast
 uses the scale computed from the history up to step t-1, while the amax of the tensor being cast
 is recorded into the history's newest slot in the same pass. After the step (when the outermost
-``fp8_autocast`` exits for the forward operands, and at the end of each GEMM's backward for the
-gradient) the history becomes a new scale:
+``fp8_autocast`` exits for the forward operands, and when the backward pass ends for the
+gradients, all of a pass's GEMMs together) the history becomes a new scale:
 
     history[0] = all_reduce(history[0], MAX)   over fp8_group, when given and recipe.reduce_amax
     amax  = max(history)           amax_compute_algo="max" (robust to one quiet step)
