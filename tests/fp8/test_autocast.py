@@ -397,3 +397,36 @@ def test_one_backward_pass_updates_every_grad_scale_in_one_call(monkeypatch):
         assert history[0].item() == 0.0 and history[2].item() == 0.0  # rolled once
         assert history[1].item() == pytest.approx(max(seen[name]), rel=1e-6)
     assert len(seen["shared"]) == 2 and seen["shared"][0] != pytest.approx(seen["shared"][1], rel=0.05)
+
+
+def test_grad_scales_still_update_after_a_backward_pass_that_raised():
+    """A backward pass that fails after an FP8 GEMM's backward never reaches its end: the next
+    pass must still update that GEMM's grad_output scale (its pending update is not lost for good)."""
+
+    class FailOnce(torch.autograd.Function):
+        fail = True
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            if FailOnce.fail:
+                FailOnce.fail = False
+                raise RuntimeError("planted")
+            return g
+
+    layer = tnn.Linear(16, 16)
+    history = layer.fp8_scaling["gemm"].grad_output.amax_history
+    for attempt in range(2):
+        x = torch.randn(16, 16, requires_grad=True)
+        with fp8_autocast():
+            y = layer(FailOnce.apply(x))  # FailOnce's backward runs after the GEMM's
+        if attempt == 0:
+            with pytest.raises(RuntimeError, match="planted"):
+                y.backward(torch.randn(16, 16))
+            assert history[0].item() > 0  # recorded, not yet updated
+        else:
+            y.backward(torch.randn(16, 16))
+    assert history[0].item() == 0.0 and history[1].item() > 0, history  # updated at the second pass's end

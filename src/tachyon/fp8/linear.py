@@ -145,14 +145,16 @@ def _update_after_backward(state, recipe, group) -> None:
     """Queue this grad_output state's scale update for the end of the running backward pass:
     every FP8 GEMM's state of the pass in one :func:`update_scales` call (stacked, one all-reduce
     per fp8_group) instead of about 14 small ops and an all-reduce per GEMM. A GEMM run twice in
-    one pass records the larger amax and updates once."""
-    first = not _backward_pending
+    one pass records the larger amax and updates once. Every call queues the flush (the first one
+    of a pass does the work, the rest find nothing): a pass that raised before its end never ran
+    its callbacks, and a flush queued only when nothing was pending would then never run again."""
     _backward_pending[id(state)] = (state, recipe, group)
-    if first:
-        torch.autograd.Variable._execution_engine.queue_callback(_flush_backward)
+    torch.autograd.Variable._execution_engine.queue_callback(_flush_backward)
 
 
 def _flush_backward() -> None:
+    if not _backward_pending:
+        return
     items = list(_backward_pending.values())
     _backward_pending.clear()
     update_scales(items)

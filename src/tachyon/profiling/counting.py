@@ -224,12 +224,10 @@ def _bias_act(x: torch.Tensor, bias: Any, activation: str) -> int:
 
 def _gemm_act(rows: int, k: int, n: int, bias: bool, activation: str | None) -> Count:
     """A GEMM [rows, k] x [k, n] with bias + activation in its epilogue (n: the GEMM's columns,
-    2F for a gated activation)."""
+    2F for a gated activation, whose F outputs cost 2 each: the activation and the product, so
+    rows * n either way)."""
     macs = rows * k * n
-    flops = 2 * macs + (rows * n if bias else 0)
-    if activation:
-        flops += (rows * n // 2) * 2 if _gated(activation) else rows * n
-    return flops, macs
+    return 2 * macs + (rows * n if bias else 0) + (rows * n if activation else 0), macs
 
 
 def _norm_count(x: torch.Tensor, rms: bool) -> int:

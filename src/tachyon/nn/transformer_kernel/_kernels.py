@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from tachyon.backend import resolve
-from tachyon.kernels.activation import bias_act_linear
 from tachyon.kernels.attention import attention, attention_qkvpacked, padding_bias_from_mask
 from tachyon.kernels.dropout import bias_dropout_add, bias_dropout_add_layer_norm
 from tachyon.kernels.layernorm import layer_norm
@@ -115,7 +114,7 @@ def next_dropout_seeds(key: torch.Tensor, calls: torch.Tensor, backend: str | No
 
 
 __all__ = [
-    "attention", "attention_qkvpacked", "bias_act_linear", "bias_dropout_add", "bias_dropout_add_layer_norm",
+    "attention", "attention_qkvpacked", "bias_dropout_add", "bias_dropout_add_layer_norm",
     "dropout_key", "dropout_seed", "dropout_seeds", "inside_backward", "layer_norm", "linear_with_residual", "mlp",
     "next_dropout_seeds",
     "padding_bias_from_mask", "splitmix64_tensor",
