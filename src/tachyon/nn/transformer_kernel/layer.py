@@ -64,7 +64,11 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from tachyon.backend import resolve
+from tachyon.kernels.attention.reference import masked_bias
+from tachyon.kernels.registry import eager_call
 from tachyon.nn.transformer_kernel import _kernels as K
+from tachyon.nn.transformer_kernel import fused
 from tachyon.nn.transformer_kernel.config import TransformerKernelConfig
 from tachyon.nn.transformer_layer import pld_draw_keep, pld_keep_probability
 
@@ -77,6 +81,12 @@ _IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "ret
 
 _PARAM_NAMES = ("attn_qkvw", "attn_qkvb", "attn_ow", "attn_ob", "attn_nw", "attn_nb",
                 "inter_w", "inter_b", "output_w", "output_b", "norm_w", "norm_b")
+
+
+def _eager(x: Tensor, params: Sequence[Tensor]) -> bool:
+    """True where the layer may run as one autograd node (fused.py): plain eager execution on
+    plain tensors (not under torch.compile, a dispatch mode or a functorch transform)."""
+    return eager_call((x, *params))
 
 
 _mask_cache: list[Any] = []  # [mask tensor, its _version, batch, seq, bias]: the layers of one model share a mask
@@ -170,6 +180,8 @@ class TransformerKernelLayer(nn.Module):
         if config.local_rank >= 0 and torch.cuda.is_available():
             torch.cuda.set_device(config.local_rank)
         self.backend = backend
+        # eager calls run the layer as one autograd node (fused.py); False: op by op, as traced
+        self.fused_eager = True
         self.hf_config = None  # the HF BertConfig of from_hf, used by to_hf
         self.layer_number: int | None = None  # progressive layer drop: 1-based position in the stack
         self.num_layers: int = config.num_hidden_layers
@@ -307,11 +319,45 @@ class TransformerKernelLayer(nn.Module):
             # advance the counter (not in a recompute during backward) and derive the three seeds,
             # 0-dim int64 tensors indexed by _SITE_ATTN_PROBS, _SITE_ATTN_OUT, _SITE_FFN_OUT
             seeds = K.next_dropout_seeds(self._dropout_key, self._dropout_calls, backend=self.backend).unbind(0)
-            out = self._forward(x, bias, True, seeds, scale)
+            if self.fused_eager and _eager(x, self._params()):
+                out = self._fused(x, bias, seeds, scale)
+            else:
+                out = self._forward(x, bias, True, seeds, scale)
         else:
             with torch.no_grad():
-                out = self._forward(x, bias, False, [0, 0, 0])
+                if self.fused_eager and _eager(x, ()):
+                    out = self._fused(x, bias, None, 1.0)
+                else:
+                    out = self._forward(x, bias, False, [0, 0, 0])
         return (out,) if self.config.return_tuple else out
+
+    def _params(self) -> tuple[Tensor, ...]:
+        p = self._parameters
+        return (p["attn_qkvw"], p["attn_qkvb"], p["attn_ow"], p["attn_ob"], p["attn_nw"], p["attn_nb"], p["inter_w"],
+                p["inter_b"], p["output_w"], p["output_b"], p["norm_w"], p["norm_b"])
+
+    def _fused(self, x: Tensor, bias: Tensor | None, seeds: Sequence[Tensor] | None, scale: float) -> Tensor:
+        """The layer as one autograd node (fused.py): the eager path; ``seeds`` None: no dropout."""
+        c = self.config
+        batch, seq, hidden = x.shape
+        p_attn = c.attn_dropout_ratio if seeds is not None else 0.0
+        p_hidden = c.hidden_dropout_ratio if seeds is not None else 0.0
+        training = seeds is not None and torch.is_grad_enabled()
+        plan = fused.Plan(batch, seq, c.heads, c.pre_layer_norm, c.layer_norm_eps, p_attn, p_hidden,
+                          1.0 / math.sqrt(hidden // c.heads), not c.stochastic_mode, c.normalize_invertible,
+                          c.gelu_checkpoint, c.attn_dropout_checkpoint and training, scale, resolve(x, self.backend))
+        x2 = x.reshape(batch * seq, hidden)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        bias = masked_bias(bias)
+        s0 = seeds[_SITE_ATTN_PROBS] if p_attn > 0 else None
+        s1, s2 = (seeds[_SITE_ATTN_OUT], seeds[_SITE_FFN_OUT]) if p_hidden > 0 else (None, None)
+        params = self._params()
+        if training and (x.requires_grad or any(p.requires_grad for p in params)):
+            out = fused.apply(plan, x2, bias, s0, s1, s2, *params)
+        else:
+            out, _ = fused.forward(plan, x2, bias, (s0, s1, s2), params, False)
+        return out.view(batch, seq, hidden)
 
     def _check_input(self, x: Tensor) -> None:
         c = self.config
