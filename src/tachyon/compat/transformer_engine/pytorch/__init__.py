@@ -3,10 +3,11 @@
 ``te.Linear``, ``te.LayerNorm``, ``te.RMSNorm``, ``te.LayerNormLinear``, ``te.LayerNormMLP``,
 ``te.DotProductAttention``, ``te.MultiheadAttention``, ``te.TransformerLayer`` are `tachyon.nn`'s
 modules (TE's arguments and parameter names), ``te.fp8_autocast`` is `tachyon.fp8_autocast`,
-``te.RotaryPositionEmbedding`` is `tachyon.nn.RotaryPositionEmbedding`, and ``te.checkpoint``
-(also ``te.distributed.checkpoint``) runs tachyon's activation checkpoint after checking TE's
-keywords. FP8 parameters (``fp8_model_init``), grouped GEMMs, CUDA-graph capture, ONNX export and
-userbuffers overlap are not implemented and raise NotImplementedError saying what to use.
+``te.RotaryPositionEmbedding`` is `tachyon.nn.RotaryPositionEmbedding`, ``te.make_graphed_callables``
+is `tachyon.make_graphed_callables` (CUDA graphs, FP8 included), and ``te.checkpoint`` (also
+``te.distributed.checkpoint``) runs tachyon's activation checkpoint after checking TE's keywords.
+FP8 parameters (``fp8_model_init``), grouped GEMMs, ONNX export and userbuffers overlap are not
+implemented and raise NotImplementedError saying what to use.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ _TABLE.update({
                                   "is_first_microbatch); use fp8_autocast"),
     "GroupedLinear": unsupported("grouped GEMMs (mixture of experts) are not implemented by tachyon; use one Linear "
                                  "per expert"),
-    "make_graphed_callables": unsupported("CUDA-graph capture is not implemented by tachyon; use "
-                                          "torch.compile(mode='reduce-overhead') or torch.cuda.make_graphed_callables"),
+    "make_graphed_callables": Target((("tachyon.cuda_graphs", "make_graphed_callables"),)),
     "onnx_export": unsupported("ONNX export is not implemented by tachyon; use torch.onnx.export on the modules"),
     "initialize_ub": unsupported("userbuffers communication overlap needs tensor parallelism, which is not in "
                                  "this version of tachyon"),
