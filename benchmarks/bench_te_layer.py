@@ -8,6 +8,7 @@ Shape (the tutorial's): hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4, sbh
     +LayerNormLinear/MLP  tachyon.nn.LayerNormLinear (LN + QKV) and LayerNormMLP, SDPA attention
     TransformerLayer    tachyon.nn.TransformerLayer (flash attention kernel, fused bias-dropout-add)
     TransformerLayer+FP8  the same inside tachyon.fp8_autocast (HYBRID, amax history 16, "max"); bf16 only
+    ... graphed           TransformerLayer (and +FP8) captured by tachyon.make_graphed_callables (GPU only)
     torch.compile       torch.compile(BasicTransformerLayer)
 
 FLOPs counted per forward (T = seq * batch tokens, h hidden, f ffn): the GEMMs 2 T h (4 h + 2 f)
@@ -133,14 +134,29 @@ def build_variants(shape: dict, dtype: torch.dtype, device: str) -> dict[str, Ca
         recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
         return tachyon.fp8_autocast(enabled=True, fp8_recipe=recipe)
 
+    def graphed(build_module, ctx=contextlib.nullcontext, **fp8):
+        def build():
+            import tachyon
+
+            module = build_module().to(device=device, dtype=dtype).train()
+            if device != "cuda":
+                return module, ctx
+            x = torch.randn(shape["seq"], shape["batch"], h, device=device, dtype=dtype, requires_grad=True)
+            return tachyon.make_graphed_callables(module, (x,), **fp8), contextlib.nullcontext
+        return build
+
     variants = {
         "torch.nn": make(lambda: BasicTransformerLayer(h, f, heads)),
         "+tachyon Linear/LN": make(lambda: BasicTransformerLayer(h, f, heads, linear=tnn.Linear, layernorm=tnn.LayerNorm)),
         "+LayerNormLinear/MLP": make(lambda: FusedTransformerLayer(h, f, heads)),
         "TransformerLayer": make(te_layer),
     }
+    variants["TransformerLayer graphed"] = graphed(te_layer)
     if dtype == torch.bfloat16:
         variants["TransformerLayer+FP8"] = make(te_layer, fp8_ctx)
+        variants["TransformerLayer+FP8 graphed"] = graphed(
+            te_layer, fp8_enabled=True,
+            fp8_recipe=DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max"))
     # on CPU (the smoke run) the inductor backend would need a C++ compiler
     compile_kwargs = {} if device == "cuda" else {"backend": "aot_eager"}
     variants["torch.compile"] = make(lambda: torch.compile(BasicTransformerLayer(h, f, heads), **compile_kwargs))
