@@ -1,6 +1,7 @@
 """The BERT kernel layer's eager path as one autograd node (nn/transformer_kernel/fused.py) against
 its op-by-op path (the path torch.compile traces): the same values bit for bit, forward and every
-gradient, over the layer's flags, dropout, progressive layer drop, dtypes and both backends."""
+gradient, and the same bytes saved for backward, over the layer's flags, dropout, progressive layer
+drop, dtypes and both backends."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from tachyon.nn import TransformerKernelConfig, TransformerKernelLayer
+from tachyon.nn.transformer_kernel import saved_tensor_bytes
 from tachyon.profiling import TrafficCounter
 
 
@@ -69,6 +71,9 @@ CPU_CASES = [
 @pytest.mark.parametrize("pre_ln,invertible,gelu_ckpt,attn_ckpt,p", CPU_CASES)
 def test_fused_equals_op_by_op_torch_backend(pre_ln, invertible, gelu_ckpt, attn_ckpt, p):
     fused, ops = _pair(pre_ln, invertible, gelu_ckpt, attn_ckpt, p, backend="torch")
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    saved = [saved_tensor_bytes(lambda layer=layer: layer(x), exclude=layer.parameters())[1] for layer in (fused, ops)]
+    assert saved[0] == saved[1], f"saved for backward: one node {saved[0]} bytes, op by op {saved[1]}"
     grad_fn = _assert_same(fused, ops)
     assert type(grad_fn).__name__ == "ViewBackward0" and "KernelLayerFunction" in type(grad_fn.next_functions[0][0]).__name__
 

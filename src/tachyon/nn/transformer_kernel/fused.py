@@ -175,7 +175,10 @@ class KernelLayerFunction(torch.autograd.Function):
                 *params: Tensor) -> Tensor:
         out, saved = forward(plan, x, bias, (seed0, seed1, seed2), params, True)
         ctx.plan = plan
-        ctx.save_for_backward(x, bias, seed0, seed1, seed2, *params, *saved)
+        # x is read by the backward of LN_in (pre-LN, not invertible), the QKV weight gradient
+        # (post-LN) and a recompute (attn_dropout_checkpoint); the op-by-op path keeps it only then too
+        keep_x = not plan.pre_ln or not plan.invertible or plan.attn_checkpoint
+        ctx.save_for_backward(x if keep_x else None, bias, seed0, seed1, seed2, *params, *saved)
         return out
 
     @staticmethod

@@ -410,7 +410,8 @@ class TransformerKernelLayer(nn.Module):
         if c.attn_dropout_checkpoint and active and torch.is_grad_enabled():
             # keep only the region's input (the layer input, saved anyway); the packed QKV and
             # the logsumexp are recomputed in backward with the same seed
-            ctx, x_res = torch.utils.checkpoint.checkpoint(self._attention, x, bias, p_attn, seeds[_SITE_ATTN_PROBS],
+            seed = seeds[_SITE_ATTN_PROBS] if p_attn > 0 else 0  # a region input is saved: no unused seed
+            ctx, x_res = torch.utils.checkpoint.checkpoint(self._attention, x, bias, p_attn, seed,
                                                            use_reentrant=False, preserve_rng_state=False)
         else:
             ctx, x_res = self._attention(x, bias, p_attn, seeds[_SITE_ATTN_PROBS])
