@@ -130,7 +130,8 @@ class FastKernel:
         if not (_enabled and self._fast):
             self._plain(grid, args, kwargs)
             return self.best_config
-        active = self._driver.active
+        # DriverConfig._active is what its .active property returns once set (saves a Python call)
+        active = self._driver._active or self._driver.active
         if active is not self._active:
             self._bind_driver(active)
         device = self._current_device()

@@ -29,6 +29,7 @@ tachyon's backend resolution), with TRITON_INTERPRET unset::
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any, NamedTuple
 
@@ -145,14 +146,14 @@ def _make_driver(stub: StubLaunches):
         def map_python_to_cpp_type(self, ty: str) -> str:
             return ty
 
-        def get_current_device(self) -> int:
-            return stub.device
+        # Triton's CUDA driver answers these two with C functions (torch._C._cuda_getDevice and
+        # _cuda_getCurrentRawStream, one call each per launch): C-level callables here too, so that
+        # the stub adds no Python frame the GPU path does not have
+        get_current_device = functools.partial(getattr, stub, "device")
+        get_current_stream = functools.partial(min, 0)  # min(0, device index): stream 0
 
         def set_current_device(self, device: int) -> None:
             stub.device = device
-
-        def get_current_stream(self, device: int) -> int:
-            return 0
 
         def get_device_capability(self, device: int = 0) -> tuple[int, int]:
             return divmod(stub.capability, 10)
