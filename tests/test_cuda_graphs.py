@@ -137,3 +137,26 @@ def test_graphed_function_and_shape_checks():
     assert torch.equal(y, f(x).detach())
     with pytest.raises(ValueError, match="captured for"):
         g(torch.randn(5, 8, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_torch_compile_reduce_overhead_captures_the_layer_in_cuda_graphs():
+    """torch.compile(mode="reduce-overhead") runs tachyon's custom ops inside inductor's CUDA graphs:
+    no cudagraph skip is counted, no recompile after the first step, and the values are eager's."""
+    from torch._dynamo.utils import counters
+
+    config = tachyon.TransformerKernelConfig(batch_size=4, max_seq_length=128, hidden_size=256, intermediate_size=1024,
+                                             heads=4, attn_dropout_ratio=0.0, hidden_dropout_ratio=0.0,
+                                             num_hidden_layers=2, initializer_range=0.02, seed=7, bf16=True)
+    eager, compiled_layer = _twins(lambda: tachyon.TransformerKernelLayer(config).cuda())
+    compiled = torch.compile(compiled_layer, mode="reduce-overhead")
+    counters.clear()
+    inputs = [torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    for x in inputs:
+        got = compiled(x.clone().requires_grad_())
+        got.sum().backward()
+        want = eager(x.clone().requires_grad_())
+        want.sum().backward()
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # forward (+ a backward graph)
