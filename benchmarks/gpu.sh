@@ -6,7 +6,8 @@
 #   profile  benchmarks/gpu_profile.py: kernel tables (GPU time per kernel, idle gaps) of one
 #            BERT-Large layer (eager, graphed, HF) and one TE-tutorial layer forward + backward
 #   sweep    benchmarks/bench_sweep.py --quick: every candidate config of the kernels under work
-#   the benchmark scripts with --quick: transformer_kernel, te_layer, attention, layernorm, mlp
+#   the benchmark scripts with --quick: transformer_kernel, te_layer, attention, layernorm, mlp, and
+#            inference (decode latency, fp16 / INT8, CUDA graphs) with what is left of the budget
 #            (eager, CUDA-graph and host time per row, beside the anchors in the same run)
 # and writes logs, CSV and a markdown summary into OUTDIR.
 #   bash benchmarks/gpu.sh OUTDIR [--only STEPS] [--budget SECONDS] [--timeout SECONDS] [--full] [--tar FILE]
@@ -56,11 +57,11 @@ export PYTHONPATH=$PWD/src:$PWD:${PYTHONPATH:-}
 $py -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || echo "pip install -e . failed (using PYTHONPATH=src): see install.log"
 
 # default steps and their limits in seconds (the budget cuts the later ones short if needed)
-default_steps="smoke profile sweep transformer_kernel te_layer attention layernorm mlp"
+default_steps="smoke profile sweep transformer_kernel te_layer attention layernorm mlp inference"
 step_limit() {
   case "$1" in
     smoke) echo 80 ;; profile) echo 55 ;; sweep) echo 130 ;; transformer_kernel) echo 90 ;; te_layer) echo 70 ;;
-    attention) echo 40 ;; layernorm) echo 30 ;; mlp) echo 25 ;; tests) echo 300 ;; *) echo 120 ;;
+    attention) echo 40 ;; layernorm) echo 30 ;; mlp) echo 25 ;; inference) echo 60 ;; tests) echo 300 ;; *) echo 120 ;;
   esac
 }
 if [ -n "$only" ]; then steps=${only//,/ }; else steps=$default_steps; fi
@@ -108,7 +109,10 @@ for step in $steps; do
     *)
       script=benchmarks/bench_$step.py
       if [ ! -f "$script" ]; then echo "no step named $step" | tee -a "$out/summary.md"; status=1; continue; fi
-      if timed "$step" $py "$script" ${quick[@]+"${quick[@]}"} ${args[@]+"${args[@]}"} >"$out/bench_$step.log" 2>&1; then
+      step_args=()
+      [ "$step" = inference ] && step_args=(--gpu-only)  # its CPU part (counts under the interpreter) runs in CI
+      if timed "$step" $py "$script" ${quick[@]+"${quick[@]}"} ${step_args[@]+"${step_args[@]}"} \
+          ${args[@]+"${args[@]}"} >"$out/bench_$step.log" 2>&1; then
         cat "$out/bench_$step.log" >>"$out/summary.md"
       else
         status=1
