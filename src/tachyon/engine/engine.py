@@ -67,11 +67,13 @@ from tachyon.parallel.pipeline import PipelineModule
 
 from . import pipeline
 from .lr_schedules import build_scheduler
+from .nonfinite import NonFiniteGradientsError, StepGuard
 from .onebit_hooks import bind_onebit_optimizer
 from .optim import build_optimizer
 from .optim.lamb import Lamb
 from .pld import PLD_KWARGS, ProgressiveLayerDrop, UnusedParameterGuard
 from .precision import DTYPES, Precision, build_precision
+from .preemption import PreemptionHandler
 from .telemetry import EngineTelemetry
 from .zero import DataParallelComm, ZeroStrategy, build_zero_strategy
 from .zero.model_parallel import ModelParallelSum, duplicate_parameters
@@ -176,6 +178,12 @@ class Engine(torch.nn.Module):
             from .moq import EngineMoQ
 
             self.quantizer = EngineMoQ(model, config, self.zero)
+        self.preemption = PreemptionHandler(config.preemption, self.world_comm.rank)
+        """Save on a signal (``preemption`` section; `tachyon.engine.preemption`): no handler when off."""
+        self.step_guard = StepGuard(self.precision, self.zero, self.world_comm, model,
+                                    config.nonfinite_gradients.max_consecutive_skips, self.preemption)
+        """Skips non-finite steps on every rank together (`tachyon.engine.nonfinite`)."""
+        self._stop_agreed = False
         self.telemetry.attach_model(model, self)
         self.training_dataloader = (
             self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
@@ -245,17 +253,26 @@ class Engine(torch.nn.Module):
             self.telemetry.end_step(self.global_steps, lr=self.get_lr(), grad_norm=self._grad_norm,
                                     loss_scale=self.loss_scale, skipped_steps=self.skipped_steps)
         self.micro_steps += 1
+        if self._stop_agreed:  # a preemption signal: save and raise Preempted (tachyon.engine.preemption)
+            self.preemption.stop(self)
 
     def _take_model_step(self) -> None:
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: pass optimizer= or a config 'optimizer' section")
         grads = self.zero.master_grads()
-        overflow = self.precision.unscale_and_check(grads, self.world_comm)
+        try:  # the same verdict on every rank (tachyon.engine.nonfinite)
+            verdict = self.step_guard.decide(grads, self.global_steps + 1)
+        except NonFiniteGradientsError:  # too many in a row: this one is skipped too, then training stops
+            self.skipped_steps, self._grad_norm = self.skipped_steps + 1, None
+            self._end_step(True)
+            raise
+        self._stop_agreed = verdict.stop
+        overflow = verdict.skip
         if overflow:
             self.skipped_steps += 1
             self._grad_norm = None
         else:
-            self._grad_norm = self.zero.grad_norm(grads)
+            self._grad_norm = verdict.grad_norm
             max_norm = self.config.gradient_clipping
             if max_norm > 0:
                 coef = (max_norm / (self._grad_norm + CLIP_EPS)).clamp(max=1.0)
@@ -271,6 +288,9 @@ class Engine(torch.nn.Module):
                 self.quantizer.after_step()  # count the step, snap the model's linear weights
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+        self._end_step(overflow)
+
+    def _end_step(self, overflow: bool) -> None:
         self.precision.update(overflow)
         self.zero.zero_grad()
         if self._unused_guard is not None:
@@ -422,6 +442,7 @@ class Engine(torch.nn.Module):
         if self._destroyed:
             return
         self._destroyed = True
+        self.preemption.uninstall()
         self.telemetry.close()
         if self._unused_guard is not None:
             self._unused_guard.release()

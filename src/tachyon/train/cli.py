@@ -29,7 +29,6 @@ import argparse
 import importlib
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -187,11 +186,9 @@ def run(args: argparse.Namespace) -> int:
             print(shlex.join(cmd), flush=True)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # silences torchrun's note
-        try:
-            code = subprocess.call(cmd, env=env)
-        except KeyboardInterrupt:
-            return 130
-        return 128 - code if code < 0 else code
+        from tachyon.parallel.launch import run_torchrun
+
+        return run_torchrun(cmd, env, who="tachyon train")  # signals forwarded; no process outlives this one
     from tachyon.parallel.distributed import shutdown_distributed
     from tachyon.train.run import train
 
