@@ -351,19 +351,26 @@ class Engine(torch.nn.Module):
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True) -> str:  # noqa: B006 (DeepSpeed's signature; not mutated)
-        """Save the training state to ``save_dir/<tag>`` (see `tachyon.engine.checkpoint`)."""
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's signature; not mutated)
+                        exclude_frozen_parameters=False) -> bool:
+        """Save the training state to ``save_dir/<tag>``; returns True, as DeepSpeed (see
+        `tachyon.engine.checkpoint`)."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
-                        load_module_only=False) -> tuple[str | None, dict | None]:
-        """Load a checkpoint saved with any world size; returns (path, client_state)."""
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False,
+                        custom_load_fn=None) -> tuple[str | None, dict | None]:
+        """Load a checkpoint saved with any world size (DeepSpeed's arguments and order); returns
+        ``(path, client_state)``, ``(None, None)`` when there is nothing to load."""
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               custom_load_fn=custom_load_fn)
 
     def save_16bit_model(self, save_dir, save_filename="model.safetensors") -> str:
         """Write the consolidated model weights (safetensors; plus config.json for HF models)."""

@@ -130,26 +130,36 @@ class StepGuard:
         return self.zero.rank == 0
 
 
+def first_nonfinite_slot(zero: Any, flats: list[torch.Tensor]) -> int | None:
+    """Index (in ``zero.flat.slots``) of the first parameter whose piece of ``flats`` (one tensor
+    per param group laid out like this rank's master: the master itself, its gradient or an
+    optimizer state) holds an inf or nan on this rank; None when none does. Local, no collective."""
+    per_slot = zero.master_pieces(zero.rank, whole=not zero.partitioned_masters)
+    for index, (slot, pieces) in enumerate(zip(zero.flat.slots, per_slot)):
+        flat = flats[slot.group]
+        if any(not bool(torch.isfinite(flat.narrow(0, at, hi - lo)).all()) for lo, hi, at in pieces):
+            return index
+    return None
+
+
+def slot_name(zero: Any, module: torch.nn.Module, index: int) -> str:
+    """The module's name of parameter ``index`` of the flat layout."""
+    param = zero.flat.slots[index].param
+    return next((n for n, p in module.named_parameters() if p is param), f"parameter #{index}")
+
+
 def first_nonfinite_parameter(zero: Any, module: torch.nn.Module, grads: list[torch.Tensor]) -> str | None:
     """The name of the first parameter (flat-layout order) whose gradient holds an inf or nan,
     over the data-parallel group (each rank scans its own pieces; a MIN all-reduce picks the
     first); None when this model part has none. Collective over ``zero.comm``."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    slots = zero.flat.slots
-    per_slot = zero.master_pieces(zero.rank, whole=not zero.partitioned_masters)
-    found = len(slots)
-    for index, (slot, pieces) in enumerate(zip(slots, per_slot)):
-        grad = grads[slot.group]
-        if any(not bool(torch.isfinite(grad.narrow(0, at, hi - lo)).all()) for lo, hi, at in pieces):
-            found = index
-            break
+    found = first_nonfinite_slot(zero, grads)
+    found = len(zero.flat.slots) if found is None else found
     if zero.comm.enabled and zero.world_size > 1:
         flag = torch.tensor([float(found)], device=grads[0].device if grads else None)
         zero.comm.all_reduce(flag, op=dist.ReduceOp.MIN)
         found = int(flag.item())
-    if found >= len(slots):
-        return None
-    return names.get(id(slots[found].param), f"parameter #{found}")
+    return None if found >= len(zero.flat.slots) else slot_name(zero, module, found)
 
 
-__all__ = ["NonFiniteGradientsError", "StepGuard", "StepVerdict", "first_nonfinite_parameter"]
+__all__ = ["NonFiniteGradientsError", "StepGuard", "StepVerdict", "first_nonfinite_parameter", "first_nonfinite_slot",
+           "slot_name"]
