@@ -126,3 +126,52 @@ def rank_main(runs: list[tuple], root: str) -> dict:
     out["refused"] = nonfinite_save(f"{root}/refused", allow=False)
     out["allowed"] = nonfinite_save(f"{root}/allowed", allow=True)
     return out
+
+
+def preempted_run(root: str, signal_rank: int, at_step: int) -> dict:
+    """Rank ``signal_rank`` alone gets SIGUSR1 (from itself) after step ``at_step``; with the
+    preemption section on, every rank must stop after the same step with a checkpoint."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    import tachyon
+    from tachyon.engine.preemption import Preempted
+
+    rank = dist.get_rank()
+    config = Case(stage=2, precision="bf16").config(dist.get_world_size())
+    config["preemption"] = {"enabled": True, "save_dir": f"{root}/ckpt", "signals": ["SIGUSR1"]}
+    before = signal.getsignal(signal.SIGUSR1)
+    engine, _, _, _ = tachyon.initialize(model=make_model(), config=config,
+                                         optimizer=lambda g: torch.optim.AdamW(g, lr=LR))
+    installed = signal.getsignal(signal.SIGUSR1) is not before
+    engine.preemption.client_state = lambda: {"where": rank}
+    out = {"installed": installed, "stopped": None}
+    try:
+        for step in range(20):
+            x, y = batch(step, 0, rank, torch.bfloat16)
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+            if step + 1 == at_step and rank == signal_rank:
+                os.kill(os.getpid(), signal.SIGUSR1)
+    except Preempted as stop:
+        out["stopped"] = {"code": stop.code, "step": stop.step, "checkpoint": stop.checkpoint,
+                          "signal": stop.signal_name, "global_steps": engine.global_steps}
+    out["restored"] = signal.getsignal(signal.SIGUSR1) is before
+    # a fresh engine resumes from it
+    engine2, _, _, _ = tachyon.initialize(model=make_model(), config=Case(stage=2, precision="bf16").config(2),
+                                          optimizer=lambda g: torch.optim.AdamW(g, lr=LR))
+    path, client_state = engine2.load_checkpoint(f"{root}/ckpt")
+    out["resumed"] = (path, client_state, engine2.global_steps)
+    return out
+
+
+def handlers_untouched_when_off() -> bool:
+    import signal
+
+    import tachyon
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    tachyon.initialize(model=make_model(), config=Case(stage=0).config(1), optimizer=lambda g: torch.optim.SGD(g, lr=LR))
+    return all(signal.getsignal(s) is h for s, h in before.items())
