@@ -120,6 +120,18 @@ def test_config_file_errors(tmp_path):
     bad.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
         load_train_config(bad)
+    bad.write_bytes('{"model": "bert", "output_dir": "r\u00e9sum\u00e9"}'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"bad\.json: not UTF-8 text \(byte \d+"):
+        load_train_config(bad)
+
+
+def test_engine_config_file_not_utf8_names_the_file(tmp_path):
+    from tachyon.config import load_config
+
+    path = tmp_path / "ds.json"
+    path.write_bytes('{"train_batch_size": 1, "x": "\u00e9"}'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"ds\.json: not UTF-8 text"):
+        load_config(path)
 
 
 def test_resolve_output_dir(tmp_path):
