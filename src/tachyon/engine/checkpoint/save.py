@@ -97,13 +97,17 @@ def describe_dcp_failure(error: BaseException, state_dir: Path) -> str:
         cause = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
         filename = getattr(cause, "filename", None)
         where = filename if filename else f"{state_dir}/__{rank}_*.distcp"
-        parts.append(f"rank {rank} could not write {where}: {type(cause).__name__}: {cause}")
+        parts.append(f"rank {rank} could not write {where}: {_os_cause(cause)}")
     return "; ".join(parts)
 
 
-def _failed(comm, error: str | None, tmp: Path | None, rank: int, prefix: str) -> None:
+UNCHANGED = "the previous checkpoints and `latest` are unchanged"
+
+
+def _failed(comm, error: str | None, tmp: Path | None, rank: int, prefix: str, suffix: str = UNCHANGED) -> None:
     """Agree on ``error`` over the ranks; on any failure rank 0 removes the unfinished ``tmp``
-    directory (its space is freed at once) and every rank raises the same CheckpointError."""
+    directory (its space is freed at once) and every rank raises the same CheckpointError:
+    "<prefix>: <each rank's error>; <suffix>"."""
     errors = gather(comm, error)
     if not any(e is not None for e in errors):
         return
@@ -116,7 +120,8 @@ def _failed(comm, error: str | None, tmp: Path | None, rank: int, prefix: str) -
     # a message that names its rank(s) already (DCP reports every rank's failure on every rank) stays as it is
     parts = [e if e.startswith("rank ") else f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {e}"
              for e, rs in by_message.items()]
-    raise mf.CheckpointError(f"{prefix}: " + "; ".join(parts[:4]) + (f" (and {len(parts) - 4} more)" if len(parts) > 4 else ""))
+    listed = "; ".join(parts[:4]) + (f" (and {len(parts) - 4} more)" if len(parts) > 4 else "")
+    raise mf.CheckpointError(f"{prefix}: {listed}; {suffix}")
 
 
 def save_checkpoint(engine, save_dir, tag: Any = None, client_state: Any = None, save_latest: bool = True,
@@ -165,8 +170,8 @@ def save_checkpoint(engine, save_dir, tag: Any = None, client_state: Any = None,
     if not engine.config.checkpoint.allow_nonfinite:
         bad = _nonfinite_state(engine)
         _failed(comm, None if bad is None else f"rank {rank}: {bad}", None, rank,
-                f"refusing to save checkpoint {final} (step {engine.global_steps}); nothing was written and `latest` is "
-                "unchanged (set checkpoint.allow_nonfinite to save it anyway)")
+                f"refusing to save checkpoint {final} (step {engine.global_steps})",
+                "nothing was written and `latest` is unchanged (set checkpoint.allow_nonfinite to save it anyway)")
 
     prepared: tuple[str | None, str | None] = (None, None)
     if rank == 0:
@@ -181,7 +186,7 @@ def save_checkpoint(engine, save_dir, tag: Any = None, client_state: Any = None,
             prepared = (f"rank 0 could not create {error.filename or tmp}: {_os_cause(error)}", None)
     error, tmp_name = gather(comm, prepared)[0]
     if error:
-        raise mf.CheckpointError(f"{what}: {error}; the previous checkpoints and `latest` are unchanged")
+        raise mf.CheckpointError(f"{what}: {error}; {UNCHANGED}")
     tmp = Path(tmp_name)
 
     # 1-bit optimizers: the layout-free pending compression error goes into the optimizer state,
@@ -205,7 +210,7 @@ def save_checkpoint(engine, save_dir, tag: Any = None, client_state: Any = None,
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         local_error = describe_dcp_failure(exc, tmp / mf.STATE_DIR) if isinstance(exc, CheckpointException) \
             else f"rank {rank} could not write its shards in {tmp / mf.STATE_DIR}: {_os_cause(exc)}"
-    _failed(comm, local_error, tmp, rank, what + "; the previous checkpoints and `latest` are unchanged")
+    _failed(comm, local_error, tmp, rank, what)
     written: dict[str, dict[str, Any]] = {}
     local_error = None
     current = None
@@ -231,7 +236,7 @@ def save_checkpoint(engine, save_dir, tag: Any = None, client_state: Any = None,
     except Exception as exc:  # reported on every rank below
         local_error = f"rank {rank} could not write {getattr(exc, 'filename', None) or current or tmp}: {_os_cause(exc)}"
     reports = gather(comm, (local_error, written))
-    _failed(comm, local_error, tmp, rank, what + "; the previous checkpoints and `latest` are unchanged")
+    _failed(comm, local_error, tmp, rank, what)
 
     local_error = None
     if rank == 0:
@@ -256,8 +261,7 @@ def save_checkpoint(engine, save_dir, tag: Any = None, client_state: Any = None,
             cause = f"{getattr(exc, 'filename', None) or current}: {_os_cause(exc)}"
             if not published:
                 shutil.rmtree(tmp, ignore_errors=True)
-                local_error = (f"{what}: rank 0 could not publish it ({cause}); the previous checkpoints and `latest` "
-                               "are unchanged")
+                local_error = f"{what}: rank 0 could not publish it ({cause}); {UNCHANGED}"
             else:
                 old = _read_latest_quietly(save_dir)
                 local_error = (f"checkpoint {final} (step {engine.global_steps}) was saved completely, but rank 0 could "
