@@ -247,12 +247,14 @@ class Engine(torch.nn.Module):
         overflowed), step the lr schedule and clear the gradients; then report the step
         (`tachyon.engine.telemetry`: collective on print steps)."""
         self._refuse_in_pipeline("step")
-        if self.is_gradient_accumulation_boundary():
-            with self.telemetry.phase("step"):
-                self._take_model_step()
-            self.telemetry.end_step(self.global_steps, lr=self.get_lr(), grad_norm=self._grad_norm,
-                                    loss_scale=self.loss_scale, skipped_steps=self.skipped_steps)
-        self.micro_steps += 1
+        try:
+            if self.is_gradient_accumulation_boundary():
+                with self.telemetry.phase("step"):
+                    self._take_model_step()
+                self.telemetry.end_step(self.global_steps, lr=self.get_lr(), grad_norm=self._grad_norm,
+                                        loss_scale=self.loss_scale, skipped_steps=self.skipped_steps)
+        finally:  # also when too many non-finite steps stopped training: the counters stay in step
+            self.micro_steps += 1
         if self._stop_agreed:  # a preemption signal: save and raise Preempted (tachyon.engine.preemption)
             self.preemption.stop(self)
 
