@@ -298,7 +298,9 @@ def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None, who: str
             sig = getattr(signal, name, None)
             if sig is not None:
                 previous[sig] = signal.signal(sig, forward)
-        running.append(subprocess.Popen(list(cmd), env=env, start_new_session=True, preexec_fn=_die_with_parent))
+        posix = os.name == "posix"
+        running.append(subprocess.Popen(list(cmd), env=env, start_new_session=posix,
+                                        preexec_fn=_die_with_parent if posix else None))
         for signum in list(received):  # arrived while torchrun was starting
             deliver(signum)
         code = running[0].wait()
