@@ -196,7 +196,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(shlex.join(cmd), flush=True)
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # silences torchrun's note
+        from tachyon.train.helpers import usable_cpus
+
+        env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // nproc)))  # silences torchrun's note
         from tachyon.parallel.launch import run_torchrun
 
         return run_torchrun(cmd, env, who="tachyon train")  # signals forwarded; no process outlives this one

@@ -398,6 +398,16 @@ def whole_model(engine: Any, config: TrainConfig, vocab_size: int, precision: st
     return model.to(engine.device)
 
 
+def _numerics(device: torch.device) -> str:
+    """What a run's numbers depend on beyond the code and the config: the torch build and, on CPU,
+    the vector ISA torch's kernels use and the intra-op threads (they change the order of
+    floating-point sums; the machine's load does not: docs/reliability.md)."""
+    if device.type != "cpu":
+        return f"numerics: torch {torch.__version__}, {torch.cuda.get_device_name(device)}"
+    return (f"numerics: torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} intra-op thread(s) per process")
+
+
 def _samples(config: TrainConfig, model: Any, tokenizer: Any, val_set: Any, device: torch.device) -> list[str]:
     """The fill-mask predictions (BERT) or generated lines (GPT) for summary.txt."""
     if config.examples == 0:
@@ -456,6 +466,7 @@ def _finish(config: TrainConfig, engine: Any, tokenizer: Any, val_set: Any, resu
         f"{engine.zero_optimization_stage()}, global batch {engine.train_batch_size()} "
         f"(micro-batch {engine.train_micro_batch_size_per_gpu()} x {engine.gradient_accumulation_steps()} "
         f"accumulation x {engine.data_parallel_world_size} data-parallel ranks)",
+        _numerics(engine.device),
         f"steps: {result.last_step} of {config.steps} (this run: "
         + (f"{result.first_step}-{result.last_step}" if result.last_step >= result.first_step else "no new steps")
         + f"), wall time {wall_s:.1f} s",
