@@ -47,7 +47,10 @@ def mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
     return (tensor / dist.get_world_size()).tolist()
 
 
-def usable_cpus() -> int:
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cpus(cpu_max: Path = CGROUP_CPU_MAX) -> int:
     """The CPUs this process may run on: its affinity mask, capped by a cgroup (v2) CPU quota
     (a container limited to 2 CPUs on a 64-core host has 2, where ``os.cpu_count()`` says 64)."""
     try:
@@ -55,7 +58,7 @@ def usable_cpus() -> int:
     except (AttributeError, OSError):
         count = os.cpu_count() or 1
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        quota, period = cpu_max.read_text().split()[:2]
         if quota != "max":
             count = min(count, max(1, math.ceil(int(quota) / int(period))))
     except (OSError, ValueError):
