@@ -15,8 +15,10 @@ The engine holds no precision or ZeRO logic of its own; it calls two objects:
 Gradient accumulation follows DeepSpeed: call ``backward`` and ``step`` on every micro-batch;
 the loss is divided by ``gradient_accumulation_steps``, gradients are communicated only on the
 boundary micro-step (``is_gradient_accumulation_boundary()``), and only the boundary ``step``
-updates the weights. An fp16 overflow skips the update (no parameter or optimizer state
-changes), counts in ``skipped_steps`` and still counts as a global step.
+updates the weights. A non-finite gradient (fp16 overflow, or an inf/nan in any precision)
+skips the update on every rank (`tachyon.engine.nonfinite`), counts in ``skipped_steps`` and
+still counts as a global step; the ``preemption`` section saves and stops on a signal
+(`tachyon.engine.preemption`).
 
 Monitoring comes from the config alone (``engine.telemetry``, `tachyon.engine.telemetry`): every
 ``steps_per_print`` steps rank 0 prints the step line (loss averaged over the accumulation
@@ -30,8 +32,8 @@ Tensor and pipeline parallelism (``mesh``, from `tachyon.initialize`; docs/paral
 model arrives already split (`tachyon.parallel.tensor.parallelize`) or as this rank's pipeline
 stages (`tachyon.parallel.pipeline.PipelineModule`); ``engine.comm`` is the mesh's data-parallel
 axis, so ZeRO partitions over the copies of the same model part. The global gradient norm counts
-every parameter of the whole model once (`tachyon.engine.zero.model_parallel`) and an fp16
-overflow on any rank skips the step everywhere. A PipelineModule is trained with DeepSpeed's
+every parameter of the whole model once (`tachyon.engine.zero.model_parallel`) and a
+non-finite gradient on any rank skips the step everywhere. A PipelineModule is trained with DeepSpeed's
 ``engine.train_batch(data_iter)`` (one optimizer step over ``gradient_accumulation_steps``
 micro-batches run by the ``pipeline.schedule``; `tachyon.engine.pipeline`) and evaluated with
 ``engine.eval_batch``; ``forward`` / ``backward`` / ``step`` are refused there, as in DeepSpeed.
@@ -178,11 +180,10 @@ class Engine(torch.nn.Module):
             from .moq import EngineMoQ
 
             self.quantizer = EngineMoQ(model, config, self.zero)
+        # save on a signal (no handler when off); skip non-finite steps on every rank together
         self.preemption = PreemptionHandler(config.preemption, self.world_comm.rank)
-        """Save on a signal (``preemption`` section; `tachyon.engine.preemption`): no handler when off."""
         self.step_guard = StepGuard(self.precision, self.zero, self.world_comm, model,
                                     config.nonfinite_gradients.max_consecutive_skips, self.preemption)
-        """Skips non-finite steps on every rank together (`tachyon.engine.nonfinite`)."""
         self._stop_agreed = False
         self.telemetry.attach_model(model, self)
         self.training_dataloader = (
@@ -353,10 +354,9 @@ class Engine(torch.nn.Module):
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's signature; not mutated)
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's; not mutated)
                         exclude_frozen_parameters=False) -> bool:
-        """Save the training state to ``save_dir/<tag>``; returns True, as DeepSpeed (see
-        `tachyon.engine.checkpoint`)."""
+        """Save the training state to ``save_dir/<tag>``; True, as DeepSpeed (`tachyon.engine.checkpoint`)."""
         from .checkpoint import save_checkpoint
 
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
@@ -365,8 +365,7 @@ class Engine(torch.nn.Module):
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False,
                         custom_load_fn=None) -> tuple[str | None, dict | None]:
-        """Load a checkpoint saved with any world size (DeepSpeed's arguments and order); returns
-        ``(path, client_state)``, ``(None, None)`` when there is nothing to load."""
+        """Load a checkpoint saved with any layout (DeepSpeed's arguments); ``(path, client_state)``."""
         from .checkpoint import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
