@@ -46,7 +46,7 @@ def poisoned_run(case: Case, poison: dict[int, str], poison_rank: int, extra: di
     logger.addHandler(records)
     logger.setLevel(logging.INFO)
     optimizer = None if case.optimizer.startswith("config") else (lambda g: torch.optim.AdamW(g, lr=LR))
-    if case.optimizer.startswith("config"):
+    if case.optimizer.startswith("config") and "optimizer" not in config:
         config["optimizer"] = {"type": "AdamW", "params": {"lr": LR}}
     engine, _, _, _ = tachyon.initialize(model=model, config=config, optimizer=optimizer)
     state = {"grad": False}

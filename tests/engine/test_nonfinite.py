@@ -16,6 +16,10 @@ RUNS = [
     ("bf16-zero2-nan-loss", Case(stage=2, precision="bf16", clip=1.0, steps=5), {2: "loss"}, 1, None),
     ("fp32-zero1-gas2-inf-grad", Case(stage=1, clip=1.0, gas=2, steps=4), {1: "grad"}, 0, None),
     ("bf16-zero0-limit", Case(stage=0, precision="bf16", steps=6), {s: "loss" for s in range(1, 6)}, 1, LIMIT),
+    # 1-bit Adam past its warm-up (freeze_step 2) at ZeRO-1: the nan goes through the compressed
+    # reduce-scatter's error feedback, which is reset on the skipped step
+    ("onebit-zero1-nan-in-compression", Case(stage=1, steps=6, optimizer="config-onebit"), {4: "loss"}, 1,
+     {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}}),
     ("bf16-zero2-config-adamw-check-off", Case(stage=2, precision="bf16", steps=3, optimizer="config-adam"),
      {1: "loss"}, 1, {"bf16": {"enabled": True, "check_grad_overflow": False}}),
 ]
@@ -33,7 +37,7 @@ def _same_on_both_ranks(results, name):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["bf16-zero2-nan-loss", "fp32-zero1-gas2-inf-grad"])
+@pytest.mark.parametrize("name", ["bf16-zero2-nan-loss", "fp32-zero1-gas2-inf-grad", "onebit-zero1-nan-in-compression"])
 def test_one_rank_non_finite_skips_the_step_on_every_rank(two_ranks, name):
     results, _ = two_ranks
     _, case, poison, _, _ = next(r for r in RUNS if r[0] == name)

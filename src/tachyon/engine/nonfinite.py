@@ -102,6 +102,9 @@ class StepGuard:
         return StepVerdict(False, stop, self.precision.unscale_(grads, norm))
 
     def _on_skip(self, grads: list[torch.Tensor], step: int) -> None:
+        drop = getattr(self.zero.comm, "drop_nonfinite_errors", None)  # 1-bit compression's error feedback
+        if drop is not None:
+            drop()
         precision = self.precision
         if not precision.at_min_scale:  # the dynamic loss scale is still being calibrated
             logger.info("step %d skipped: fp16 gradient overflow at loss scale %g (the scale is lowered)",
