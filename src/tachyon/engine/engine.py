@@ -257,6 +257,7 @@ class Engine(torch.nn.Module):
         finally:  # also when too many non-finite steps stopped training: the counters stay in step
             self.micro_steps += 1
         if self._stop_agreed:  # a preemption signal: save and raise Preempted (tachyon.engine.preemption)
+            self._stop_agreed = False
             self.preemption.stop(self)
 
     def _take_model_step(self) -> None:

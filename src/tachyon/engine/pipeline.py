@@ -149,6 +149,7 @@ def train_batch(engine: Any, data_iter: Any) -> torch.Tensor:
     engine.micro_steps += engine.gradient_accumulation_steps()
     mean = data_parallel_mean(engine, loss)
     if engine._stop_agreed:  # a preemption signal: save and raise Preempted (tachyon.engine.preemption)
+        engine._stop_agreed = False
         engine.preemption.stop(engine)
     return mean
 

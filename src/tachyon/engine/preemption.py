@@ -115,6 +115,7 @@ class PreemptionHandler:
         """Save and raise `Preempted` (every rank, at the same step boundary)."""
         signum = self.agreed or self.requested or 0
         name = signal_name(signum) if signum else "a signal"
+        self.requested = self.agreed = None  # a caller that catches Preempted and goes on is not stopped again
         client_state = self.client_state() if self.client_state is not None else {}
         tag = f"global_step{engine.global_steps}"
         engine.save_checkpoint(self.save_dir, tag=tag, client_state=client_state)
