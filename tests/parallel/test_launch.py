@@ -220,6 +220,7 @@ def test_sigterm_to_the_launcher_stops_every_worker_before_it_returns(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the in-process agreement and save are tests/engine/test_preemption.py (default run)
 def test_sigterm_with_preemption_saves_on_every_rank_and_the_launcher_reports_it(tmp_path):
     import json
     import signal
