@@ -120,11 +120,48 @@ def nonfinite_save(root: str, allow: bool) -> dict:
     return out
 
 
+def disk_full_on_rank_1(root: str) -> str | None:
+    """Save once, then a save whose shard write fails with ENOSPC on rank 1 alone: the error
+    every rank raises."""
+    import errno
+
+    import torch.distributed as dist
+
+    import tachyon
+    from tachyon.engine.checkpoint import CheckpointError
+    from tachyon.engine.checkpoint import save as save_module
+
+    rank = dist.get_rank()
+    config = Case(stage=1).config(dist.get_world_size())
+    engine, _, _, _ = tachyon.initialize(model=make_model(), config=config, optimizer=lambda g: torch.optim.AdamW(g, lr=LR))
+    x, y = batch(0, 0, rank, torch.float32)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    engine.save_checkpoint(root)
+    writer = save_module.dcp.FileSystemWriter
+
+    class FullOnRank1(writer):
+        def write_data(self, plan, planner):
+            if rank == 1:
+                raise OSError(errno.ENOSPC, "No space left on device", f"{self.path}/__1_0.distcp")
+            return super().write_data(plan, planner)
+
+    save_module.dcp.FileSystemWriter = FullOnRank1
+    try:
+        engine.save_checkpoint(root, tag="full")
+    except CheckpointError as error:
+        return str(error)
+    finally:
+        save_module.dcp.FileSystemWriter = writer
+    return None
+
+
 def rank_main(runs: list[tuple], root: str) -> dict:
     """Every 2-rank scenario of test_nonfinite in one spawn."""
     out = {name: poisoned_run(*args) for name, *args in runs}
     out["refused"] = nonfinite_save(f"{root}/refused", allow=False)
     out["allowed"] = nonfinite_save(f"{root}/allowed", allow=True)
+    out["disk_full"] = disk_full_on_rank_1(f"{root}/full")
     return out
 
 

@@ -94,3 +94,16 @@ def test_single_process_nan_loss_with_clipping_is_skipped(precision):
     assert result["unchanged"] == [False, True, False] and result["finite"]
     assert result["skipped_steps"] == 1 and result["grad_norm"] is not None
     assert any(line.startswith("step 2 skipped: non-finite gradient (inf or nan) in ") for line in result["logs"])
+
+
+@pytest.mark.distributed
+def test_a_disk_full_on_one_rank_is_the_same_checkpoint_error_on_both_naming_it(two_ranks):
+    """(Shares this module's 2-rank spawn.) torch.distributed.checkpoint's CheckpointException, a
+    BaseException, becomes a CheckpointError naming rank 1, its shard file and ENOSPC."""
+    results, root = two_ranks
+    errors = [r["disk_full"] for r in results]
+    assert errors[0] == errors[1] and errors[0] is not None
+    assert f"saving checkpoint {root / 'full' / 'full'} (step 1) failed: rank 1 could not write " in errors[0], errors[0]
+    assert "__1_0.distcp: OSError [ENOSPC]: No space left on device" in errors[0], errors[0]
+    assert (root / "full" / "latest").read_text() == "global_step1"
+    assert sorted(p.name for p in (root / "full").iterdir()) == ["global_step1", "latest"]
