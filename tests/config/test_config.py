@@ -109,7 +109,8 @@ def test_defaults_match_deepspeed():
         "min_loss_scale": 1.0,
     }  # fmt: skip
     assert config.fp16.dynamic_loss_scale
-    assert config.bf16.model_dump() == {"enabled": False}
+    # check_grad_overflow is on here (off in DeepSpeed): a nan/inf step is skipped in every precision
+    assert config.bf16.model_dump() == {"enabled": False, "check_grad_overflow": True}
     assert config.zero_optimization.model_dump() == {
         "stage": 0, "contiguous_gradients": True, "reduce_scatter": True,
         "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
@@ -117,7 +118,7 @@ def test_defaults_match_deepspeed():
     }  # fmt: skip
     assert config.data_types.grad_accum_dtype is None
     assert config.checkpoint.model_dump() == {
-        "tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False,
+        "tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False, "allow_nonfinite": False,
     }  # fmt: skip
     assert config.activation_checkpointing.model_dump() == {
         "partition_activations": False, "cpu_checkpointing": False,
@@ -461,7 +462,7 @@ def test_round_trip_through_a_file(tmp_path):
 def test_ignored_keys_under_the_bfloat16_alias_round_trip():
     config = load_config(cfg(bfloat16={"enabled": True, "immediate_grad_update": True}))
     assert config.ignored_keys == ("bf16.immediate_grad_update",)
-    assert config.to_dict()["bf16"] == {"enabled": True, "immediate_grad_update": True}
+    assert config.to_dict()["bf16"] == {"enabled": True, "check_grad_overflow": True, "immediate_grad_update": True}
     assert load_config(config.to_dict()) == config
 
 

@@ -120,6 +120,18 @@ def test_config_file_errors(tmp_path):
     bad.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
         load_train_config(bad)
+    bad.write_bytes('{"model": "bert", "output_dir": "r\u00e9sum\u00e9"}'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"bad\.json: not UTF-8 text \(byte \d+"):
+        load_train_config(bad)
+
+
+def test_engine_config_file_not_utf8_names_the_file(tmp_path):
+    from tachyon.config import load_config
+
+    path = tmp_path / "ds.json"
+    path.write_bytes('{"train_batch_size": 1, "x": "\u00e9"}'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"ds\.json: not UTF-8 text"):
+        load_config(path)
 
 
 def test_resolve_output_dir(tmp_path):
@@ -281,3 +293,18 @@ def test_tp_and_pp_choose_the_process_count_and_travel_to_the_ranks(monkeypatch,
     assert run(_args("--model", "gpt", "--tp", "2", "--pp", "2", "--nproc", "3")) == 2
     err = capsys.readouterr().err
     assert "3" in err and ("tp_size" in err or "stages" in err), err
+
+
+def test_threads_follow_the_usable_cpus_not_the_host(monkeypatch, tmp_path):
+    """A container limited to 2 CPUs on a 64-core host: os.cpu_count() says 64, the job must use 2."""
+    import os
+
+    from tachyon.train import helpers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    quota = tmp_path / "cpu.max"
+    quota.write_text("200000 100000\n")
+    assert helpers.usable_cpus(quota) == 2
+    quota.write_text("max 100000\n")
+    assert helpers.usable_cpus(quota) == 64
+    assert helpers.usable_cpus(tmp_path / "absent") == 64

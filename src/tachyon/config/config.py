@@ -31,8 +31,10 @@ from .sections import (
     FlopsProfilerConfig,
     FP16Config,
     MonitorConfig,
+    NonFiniteGradientsConfig,
     OptimizerConfig,
     PipelineConfig,
+    PreemptionConfig,
     ProgressiveLayerDropConfig,
     QuantizeTrainingConfig,
     SchedulerConfig,
@@ -86,6 +88,8 @@ class TachyonConfig(Section):
     quantize_training: QuantizeTrainingConfig = Field(default_factory=QuantizeTrainingConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    nonfinite_gradients: NonFiniteGradientsConfig = Field(default_factory=NonFiniteGradientsConfig)
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
 
     _ignored: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -146,6 +150,8 @@ def _read_json(path: Path) -> Any:
         raise ConfigError(
             f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}"
         ) from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason}); save the JSON as UTF-8") from None
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from None
 

@@ -54,7 +54,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     # fp16 / bf16
     "fp16.auto_cast": "automatic casting of inputs to fp16",
     "fp16.fp16_master_weights_and_grads": "fp16 master weights and gradients",
-    "bf16.check_grad_overflow": "overflow checks in bf16",
     "bf16.check_overflow": "overflow checks in bf16",
     "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients",
     "bf16.bf16_optimizer_states": "bf16 optimizer states",
@@ -133,7 +132,7 @@ OFF_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{key: _FALSE for key in (
         "sparse_gradients", "disable_allgather", "dataloader_drop_last", "graph_harvesting",
         "use_data_before_expert_parallelism", "fp16.fp16_master_weights_and_grads",
-        "bf16.check_grad_overflow", "bf16.check_overflow", "bf16.bf16_master_weights_and_grads",
+        "bf16.check_overflow", "bf16.bf16_master_weights_and_grads",
         "bf16.bf16_optimizer_states", "zero_optimization.cpu_offload",
         "zero_optimization.cpu_offload_param", "zero_optimization.cpu_offload_use_pin_memory",
         "zero_optimization.zero_quantized_weights",

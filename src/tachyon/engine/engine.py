@@ -15,8 +15,10 @@ The engine holds no precision or ZeRO logic of its own; it calls two objects:
 Gradient accumulation follows DeepSpeed: call ``backward`` and ``step`` on every micro-batch;
 the loss is divided by ``gradient_accumulation_steps``, gradients are communicated only on the
 boundary micro-step (``is_gradient_accumulation_boundary()``), and only the boundary ``step``
-updates the weights. An fp16 overflow skips the update (no parameter or optimizer state
-changes), counts in ``skipped_steps`` and still counts as a global step.
+updates the weights. A non-finite gradient (fp16 overflow, or an inf/nan in any precision)
+skips the update on every rank (`tachyon.engine.nonfinite`), counts in ``skipped_steps`` and
+still counts as a global step; the ``preemption`` section saves and stops on a signal
+(`tachyon.engine.preemption`).
 
 Monitoring comes from the config alone (``engine.telemetry``, `tachyon.engine.telemetry`): every
 ``steps_per_print`` steps rank 0 prints the step line (loss averaged over the accumulation
@@ -30,8 +32,8 @@ Tensor and pipeline parallelism (``mesh``, from `tachyon.initialize`; docs/paral
 model arrives already split (`tachyon.parallel.tensor.parallelize`) or as this rank's pipeline
 stages (`tachyon.parallel.pipeline.PipelineModule`); ``engine.comm`` is the mesh's data-parallel
 axis, so ZeRO partitions over the copies of the same model part. The global gradient norm counts
-every parameter of the whole model once (`tachyon.engine.zero.model_parallel`) and an fp16
-overflow on any rank skips the step everywhere. A PipelineModule is trained with DeepSpeed's
+every parameter of the whole model once (`tachyon.engine.zero.model_parallel`) and a
+non-finite gradient on any rank skips the step everywhere. A PipelineModule is trained with DeepSpeed's
 ``engine.train_batch(data_iter)`` (one optimizer step over ``gradient_accumulation_steps``
 micro-batches run by the ``pipeline.schedule``; `tachyon.engine.pipeline`) and evaluated with
 ``engine.eval_batch``; ``forward`` / ``backward`` / ``step`` are refused there, as in DeepSpeed.
@@ -67,11 +69,13 @@ from tachyon.parallel.pipeline import PipelineModule
 
 from . import pipeline
 from .lr_schedules import build_scheduler
+from .nonfinite import NonFiniteGradientsError, StepGuard
 from .onebit_hooks import bind_onebit_optimizer
 from .optim import build_optimizer
 from .optim.lamb import Lamb
 from .pld import PLD_KWARGS, ProgressiveLayerDrop, UnusedParameterGuard
 from .precision import DTYPES, Precision, build_precision
+from .preemption import PreemptionHandler
 from .telemetry import EngineTelemetry
 from .zero import DataParallelComm, ZeroStrategy, build_zero_strategy
 from .zero.model_parallel import ModelParallelSum, duplicate_parameters
@@ -176,6 +180,11 @@ class Engine(torch.nn.Module):
             from .moq import EngineMoQ
 
             self.quantizer = EngineMoQ(model, config, self.zero)
+        # save on a signal (no handler when off); skip non-finite steps on every rank together
+        self.preemption = PreemptionHandler(config.preemption, self.world_comm.rank)
+        self.step_guard = StepGuard(self.precision, self.zero, self.world_comm, model,
+                                    config.nonfinite_gradients.max_consecutive_skips, self.preemption)
+        self._stop_agreed = False
         self.telemetry.attach_model(model, self)
         self.training_dataloader = (
             self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
@@ -239,23 +248,35 @@ class Engine(torch.nn.Module):
         overflowed), step the lr schedule and clear the gradients; then report the step
         (`tachyon.engine.telemetry`: collective on print steps)."""
         self._refuse_in_pipeline("step")
-        if self.is_gradient_accumulation_boundary():
-            with self.telemetry.phase("step"):
-                self._take_model_step()
-            self.telemetry.end_step(self.global_steps, lr=self.get_lr(), grad_norm=self._grad_norm,
-                                    loss_scale=self.loss_scale, skipped_steps=self.skipped_steps)
-        self.micro_steps += 1
+        try:
+            if self.is_gradient_accumulation_boundary():
+                with self.telemetry.phase("step"):
+                    self._take_model_step()
+                self.telemetry.end_step(self.global_steps, lr=self.get_lr(), grad_norm=self._grad_norm,
+                                        loss_scale=self.loss_scale, skipped_steps=self.skipped_steps)
+        finally:  # also when too many non-finite steps stopped training: the counters stay in step
+            self.micro_steps += 1
+        if self._stop_agreed:  # a preemption signal: save and raise Preempted (tachyon.engine.preemption)
+            self._stop_agreed = False
+            self.preemption.stop(self)
 
     def _take_model_step(self) -> None:
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: pass optimizer= or a config 'optimizer' section")
         grads = self.zero.master_grads()
-        overflow = self.precision.unscale_and_check(grads, self.world_comm)
+        try:  # the same verdict on every rank (tachyon.engine.nonfinite)
+            verdict = self.step_guard.decide(grads, self.global_steps + 1)
+        except NonFiniteGradientsError:  # too many in a row: this one is skipped too, then training stops
+            self.skipped_steps, self._grad_norm = self.skipped_steps + 1, None
+            self._end_step(True)
+            raise
+        self._stop_agreed = verdict.stop
+        overflow = verdict.skip
         if overflow:
             self.skipped_steps += 1
             self._grad_norm = None
         else:
-            self._grad_norm = self.zero.grad_norm(grads)
+            self._grad_norm = verdict.grad_norm
             max_norm = self.config.gradient_clipping
             if max_norm > 0:
                 coef = (max_norm / (self._grad_norm + CLIP_EPS)).clamp(max=1.0)
@@ -271,6 +292,9 @@ class Engine(torch.nn.Module):
                 self.quantizer.after_step()  # count the step, snap the model's linear weights
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+        self._end_step(overflow)
+
+    def _end_step(self, overflow: bool) -> None:
         self.precision.update(overflow)
         self.zero.zero_grad()
         if self._unused_guard is not None:
@@ -331,19 +355,24 @@ class Engine(torch.nn.Module):
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True) -> str:  # noqa: B006 (DeepSpeed's signature; not mutated)
-        """Save the training state to ``save_dir/<tag>`` (see `tachyon.engine.checkpoint`)."""
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's; not mutated)
+                        exclude_frozen_parameters=False) -> bool:
+        """Save the training state to ``save_dir/<tag>``; True, as DeepSpeed (`tachyon.engine.checkpoint`)."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
-                        load_module_only=False) -> tuple[str | None, dict | None]:
-        """Load a checkpoint saved with any world size; returns (path, client_state)."""
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False,
+                        custom_load_fn=None) -> tuple[str | None, dict | None]:
+        """Load a checkpoint saved with any layout (DeepSpeed's arguments); ``(path, client_state)``."""
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               custom_load_fn=custom_load_fn)
 
     def save_16bit_model(self, save_dir, save_filename="model.safetensors") -> str:
         """Write the consolidated model weights (safetensors; plus config.json for HF models)."""
@@ -422,6 +451,7 @@ class Engine(torch.nn.Module):
         if self._destroyed:
             return
         self._destroyed = True
+        self.preemption.uninstall()
         self.telemetry.close()
         if self._unused_guard is not None:
             self._unused_guard.release()
