@@ -92,6 +92,46 @@ def _eager(x: Tensor, params: Sequence[Tensor]) -> bool:
 _mask_cache: list[Any] = []  # [mask tensor, its _version, batch, seq, bias]: the layers of one model share a mask
 
 
+def _check_keep_values(mask: Tensor) -> None:
+    """A [batch, seq] mask is a keep mask: bool, or 0/1 values (1 = keep). Refuses other values,
+    naming an additive mask (0 keep, negative pad) passed in this shape. One host read of the
+    device's answer, when a new mask arrives (the result is cached for the other layers)."""
+    if mask.dtype == torch.bool:
+        return
+    if mask.is_complex():
+        raise ValueError(f"attention_mask [batch, seq] must be bool or 0/1 (1 = keep); got dtype {mask.dtype}")
+    other, negative = torch.stack([((mask != 0) & (mask != 1)).any(), (mask < 0).any()]).tolist()
+    if not other:
+        return
+    if negative:
+        raise ValueError(
+            "attention_mask [batch, seq] is a keep mask (1 = keep, 0 = pad) but has negative values: an additive "
+            "mask (0 keep, -10000 or -inf pad)? Pass an additive mask in HF's shape [batch, 1, 1, seq], or as a "
+            "keep mask, (mask == 0)")
+    raise ValueError("attention_mask [batch, seq] is a keep mask and takes the values 0 and 1 (1 = keep) or bool; "
+                     "it has other values")
+
+
+def _check_additive_values(mask: Tensor) -> None:
+    """A float 4-D mask is HF's additive mask: 0 keep, negative masked; bool is a keep mask (True =
+    keep). Refuses positive values, naming a 0/1 keep mask passed in the additive shape."""
+    if mask.dtype == torch.bool:
+        return
+    if not mask.is_floating_point():
+        raise ValueError(f"attention_mask of HF's 4-D shape must be float (additive: 0 keep, negative masked) or bool "
+                         f"(True = keep); got {mask.dtype}")
+    positive, keep_like = torch.stack([(mask > 0).any(), ((mask == 0) | (mask == 1)).all()]).tolist()
+    if not positive:
+        return
+    if keep_like:
+        raise ValueError(
+            "attention_mask of HF's 4-D shape is read as an additive mask (0 keep, large negative masked) but has "
+            "0/1 values: a keep mask (1 = keep)? Pass a keep mask as [batch, seq], or as bool, or convert it with "
+            "(1.0 - mask) * torch.finfo(dtype).min")
+    raise ValueError("attention_mask of HF's 4-D shape is an additive mask (0 keep, negative masked) and must have no "
+                     "positive values")
+
+
 def key_padding_bias(mask: Tensor | None, batch: int, seq: int, device: torch.device) -> Tensor | None:
     """The additive fp32 key bias [batch, seq] (0 keep, -inf masked) for any mask the layer accepts.
 
@@ -99,7 +139,10 @@ def key_padding_bias(mask: Tensor | None, batch: int, seq: int, device: torch.de
     [batch, 1, 1, seq] (float, 0 keep / large negative masked) or its bool form; HF 5.x's 4D masks
     [batch, 1, seq, seq] (eager: additive float; SDPA: bool, True = keep) whose rows are all equal,
     i.e. key padding masks (a mask that differs per query, such as a causal one, is refused). A
-    batch dim of 1 broadcasts. Other shapes raise ValueError.
+    batch dim of 1 broadcasts. Other shapes raise ValueError, and so do values the shape does not
+    take: a [batch, seq] mask with values other than 0/1 (an additive mask in the keep mask's
+    shape) or a float 4-D mask with positive values (a 0/1 keep mask in the additive shape);
+    checked when a new mask arrives in eager mode (one host read), trusted under torch.compile.
 
     Eager calls cache the last result (the layers of one model share one mask); under
     torch.compile the cache is skipped (dynamo would guard on it and recompile per new mask).
@@ -117,8 +160,12 @@ def key_padding_bias(mask: Tensor | None, batch: int, seq: int, device: torch.de
     if mask.device != device:
         raise ValueError(f"attention_mask is on {mask.device} but hidden_states is on {device}")
     if mask.dim() == 2 and shape[0] in (1, batch) and shape[1] == seq:
+        if not compiling:
+            _check_keep_values(mask)
         bias = K.padding_bias_from_mask(mask, torch.float32)
     elif mask.dim() == 4 and shape[0] in (1, batch) and shape[1] == 1 and shape[2] in (1, seq) and shape[3] == seq:
+        if not compiling:
+            _check_additive_values(mask)
         first = mask[:, :, :1, :]
         if shape[2] > 1 and not torch.equal(mask, first.expand_as(mask)):
             raise ValueError(
