@@ -27,6 +27,7 @@ from .sections import (
     ActivationCheckpointingConfig,
     BF16Config,
     CheckpointConfig,
+    CudaGraphConfig,
     DataTypesConfig,
     FlopsProfilerConfig,
     FP16Config,
@@ -90,6 +91,7 @@ class TachyonConfig(Section):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     nonfinite_gradients: NonFiniteGradientsConfig = Field(default_factory=NonFiniteGradientsConfig)
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
+    cuda_graph: CudaGraphConfig = Field(default_factory=CudaGraphConfig)
 
     _ignored: dict[str, Any] = PrivateAttr(default_factory=dict)
 

@@ -157,6 +157,20 @@ class PreemptionConfig(Section):
         return self
 
 
+class CudaGraphConfig(Section):
+    """``"cuda_graph"`` (tachyon's; off by default): capture the model's forward and backward as
+    CUDA graphs at the first training micro-batch and replay them for every later one
+    (`tachyon.make_graphed_callables`, docs/cuda_graphs.md): the host time between kernels
+    disappears. Inputs must keep the first micro-batch's shapes and dtypes (pad to a fixed length).
+    ``num_warmup_iters`` forward + backward runs precede the capture (Triton compiles and
+    autotunes); they change no weight, gradient, buffer or RNG state. Needs a CUDA device; refused
+    with progressive layer drop (a host-side draw), a PipelineModule, the flops profiler (hooks), and
+    CPU activation checkpointing / synchronized checkpoint boundaries (host work inside a capture)."""
+
+    enabled: bool = False
+    num_warmup_iters: Annotated[int, Field(ge=1)] = 3
+
+
 class ActivationCheckpointingConfig(Section):
     """``"activation_checkpointing"``: how checkpointed activations are stored.
     ``cpu_checkpointing`` needs ``partition_activations`` (as in DeepSpeed)."""

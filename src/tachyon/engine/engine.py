@@ -68,6 +68,7 @@ from tachyon.config import ConfigError, TachyonConfig
 from tachyon.parallel.pipeline import PipelineModule
 
 from . import pipeline
+from .cuda_graph import EngineCudaGraph, check_cuda_graph
 from .lr_schedules import build_scheduler
 from .nonfinite import NonFiniteGradientsError, StepGuard
 from .onebit_hooks import bind_onebit_optimizer
@@ -117,6 +118,7 @@ class Engine(torch.nn.Module):
         mesh: Any = None,
     ):
         check_engine_inputs(model, config, optimizer, lr_scheduler)
+        check_cuda_graph(model, config, device)
         if config.quantize_training.enabled:
             from .moq import check_moq_inputs
 
@@ -185,6 +187,9 @@ class Engine(torch.nn.Module):
         self.step_guard = StepGuard(self.precision, self.zero, self.world_comm, model,
                                     config.nonfinite_gradients.max_consecutive_skips, self.preemption)
         self._stop_agreed = False
+        self.cuda_graph = EngineCudaGraph(model, config.cuda_graph.num_warmup_iters) if config.cuda_graph.enabled \
+            else None
+        """The ``cuda_graph`` section (`tachyon.engine.cuda_graph`): captures at the first training forward."""
         self.telemetry.attach_model(model, self)
         self.training_dataloader = (
             self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
@@ -219,6 +224,8 @@ class Engine(torch.nn.Module):
                 )
             kwargs.update(self.progressive_layer_drop.get_state(self.global_steps))
         self.telemetry.begin_forward(self.global_steps, self.micro_steps % self.gradient_accumulation_steps() == 0)
+        if self.cuda_graph is not None and self.module.training:
+            self.cuda_graph.before_forward(inputs, kwargs)
         with self.telemetry.forward_phase():
             return self.module(*inputs, **kwargs)
 
