@@ -6,7 +6,8 @@ can build the optimizer or schedule from it without defaults of its own. DeepSpe
 worth knowing:
 
 - ``Adam`` with ``adam_w_mode: true`` (the default!) applies decoupled (AdamW) weight decay;
-  set ``adam_w_mode: false`` for classic L2 Adam. ``AdamW`` always decouples. ``torch_adam``
+  set ``adam_w_mode: false`` for classic L2 Adam. ``AdamW`` always decouples (an ``adam_w_mode:
+  false`` there is ignored and reported, as DeepSpeed ignores it). ``torch_adam``
   asks for torch.optim's implementation instead of the fused one. Neither key is an optimizer
   constructor argument; the engine consumes them.
 - Schedules count optimizer steps. WarmupLR ramps ``warmup_min_lr -> warmup_max_lr`` over
@@ -304,11 +305,6 @@ def check_typed_section(section: str, raw: dict[str, Any]) -> tuple[dict | None,
         if params.get("amsgrad") is True:
             problems.append(
                 not_supported(join_path(params_path, "amsgrad"), "AMSGrad", True, "false")
-            )
-        if name == "AdamW" and params.get("adam_w_mode") is False:
-            problems.append(
-                f'`{params_path}.adam_w_mode: false` contradicts `{section}.type: "AdamW"`; '
-                'use type "Adam" with adam_w_mode false for classic L2-regularized Adam'
             )
     if problems:
         return None, problems
