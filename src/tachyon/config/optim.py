@@ -179,21 +179,34 @@ class _SchedulerParams(Section):
     last_batch_iteration: Annotated[int, Field(ge=-1)] = -1
 
 
+LrValue = NonNegativeFloat | list[NonNegativeFloat]
+"""One lr for every param group, or one per group (DeepSpeed's schedules take both)."""
+
+
 class WarmupLRParams(_SchedulerParams):
-    warmup_min_lr: NonNegativeFloat = 0.0
-    warmup_max_lr: NonNegativeFloat = 0.001
-    warmup_num_steps: NonNegativeInt = 1000
+    warmup_min_lr: LrValue = 0.0
+    warmup_max_lr: LrValue | None = None
+    """None: each param group warms up to its own lr (DeepSpeed's WarmupLR)."""
+    warmup_num_steps: PositiveInt = 1000
     warmup_type: WarmupType = "log"
 
 
 class WarmupDecayLRParams(WarmupLRParams):
     total_num_steps: PositiveInt
+    warmup_max_lr: LrValue = 0.001
+
+
+class LRRangeTestParams(_SchedulerParams):
+    lr_range_test_min_lr: LrValue = 1e-3
+    lr_range_test_step_size: PositiveInt = 2000
+    lr_range_test_step_rate: NonNegativeFloat = 1.0
+    lr_range_test_staircase: bool = False
 
 
 class WarmupCosineLRParams(_SchedulerParams):
     total_num_steps: PositiveInt
     warmup_min_ratio: UnitFloat = 0.0
-    warmup_num_steps: NonNegativeInt = 1000
+    warmup_num_steps: PositiveInt = 1000
     cos_min_ratio: UnitFloat = 0.0001
     warmup_type: WarmupType = "log"
 
@@ -242,6 +255,7 @@ SCHEDULER_PARAMS: dict[str, type[Section]] = {
     "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams,
     "OneCycle": OneCycleParams,
+    "LRRangeTest": LRRangeTestParams,
 }
 """Canonical scheduler name -> model of its ``params``."""
 
@@ -256,7 +270,7 @@ UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
 }
 """DeepSpeed optimizer types tachyon refuses for now -> what they are."""
 
-UNSUPPORTED_SCHEDULERS: dict[str, str] = {"LRRangeTest": "the learning-rate range test"}
+UNSUPPORTED_SCHEDULERS: dict[str, str] = {}
 """DeepSpeed scheduler types tachyon refuses for now -> what they are."""
 
 

@@ -61,6 +61,9 @@ class LossScale(float):
     def __call__(self) -> float:
         return self.configured
 
+    def __reduce__(self):  # pickles (a rank's result, a checkpoint) with both values
+        return LossScale, (float(self), self.configured)
+
 
 class _SchedulerWithKwargs:
     """The engine's lr scheduler for one ``step(lr_kwargs=...)``: its ``step()`` gets the kwargs."""
@@ -459,8 +462,9 @@ class DeepSpeedEngineSurface:
 
     @property
     def flops_profiler(self) -> Any:
-        """The flops profiler profiling this step (during ``flops_profiler.profile_step``), else a
-        `tachyon.profiling.FlopsProfiler` over the model, not started. Only with the
+        """The flops profiler profiling this step (during ``flops_profiler.profile_step``), after
+        it the one that profiled it (``.flops`` / ``.macs`` / ``.params`` hold its totals), before
+        it a `tachyon.profiling.FlopsProfiler` over the model, not started. Only with the
         ``flops_profiler`` section enabled, as in DeepSpeed."""
         if not self.config.flops_profiler.enabled:
             raise EngineAttributeError("engine.flops_profiler exists when the config's flops_profiler section is "
@@ -468,6 +472,8 @@ class DeepSpeedEngineSurface:
                                        "tachyon.profiling.FlopsProfiler(model) yourself", name="flops_profiler", obj=self)
         if self.telemetry.profiler is not None:
             return self.telemetry.profiler
+        if getattr(self.telemetry, "last_profiler", None) is not None:
+            return self.telemetry.last_profiler
         if getattr(self, "_idle_flops_profiler", None) is None:
             from tachyon.profiling import FlopsProfiler
 
