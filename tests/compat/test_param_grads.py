@@ -131,6 +131,8 @@ def test_repeating_loader_restarts_and_reshuffles():
     assert loader.epoch == 2 and sampler.epoch == 2
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_on_two_ranks_param_grad_is_averaged_and_safe_helpers_gather_the_partitions():
     """Stage 0: param.grad is the average over the ranks; stages 1/2: safe_get_full_grad gathers it
     (collective), safe_set_full_grad's value is what the step applies, and the optimizer state

@@ -55,7 +55,7 @@ _TABLE: dict[str, Target] = {
                             "implemented by tachyon; build it normally (tachyon.initialize moves it)"),
     "DeepSpeedHybridEngine": unsupported("the RLHF hybrid engine is not implemented by tachyon"),
 }
-_SUBMODULES = ("comm", "module_inject", "ops", "pipe", "profiling", "runtime", "utils", "zero")
+_SUBMODULES = ("accelerator", "comm", "module_inject", "ops", "pipe", "profiling", "runtime", "utils", "zero")
 
 
 def _submodules() -> list[str]:
