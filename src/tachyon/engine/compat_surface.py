@@ -203,6 +203,7 @@ class DeepSpeedEngineSurface:
 
     @property
     def dist_backend(self) -> str | None:
+        """torch.distributed's backend ("gloo", "nccl"), None without a process group."""
         return dist.get_backend() if dist.is_available() and dist.is_initialized() else None
 
     # ------------------------------------------------------------------ step bookkeeping
@@ -343,6 +344,7 @@ class DeepSpeedEngineSurface:
 
     @property
     def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are reduced in (the config's, else the model dtype)."""
         from .precision import DTYPES
 
         name = self.config.communication_data_type
@@ -393,6 +395,7 @@ class DeepSpeedEngineSurface:
         return not self.config.prescale_gradients
 
     def dataloader_drop_last(self) -> bool:
+        """The config's ``dataloader_drop_last``: the engine's DataLoader drops a short last batch."""
         return bool(getattr(self.config, "dataloader_drop_last", False))
 
     def zero_optimization(self) -> bool:
@@ -493,9 +496,11 @@ class DeepSpeedEngineSurface:
         return self.config.tensor_parallel.autotp_size or 0
 
     def checkpoint_tag_validation_enabled(self) -> bool:
+        """Whether ``checkpoint.tag_validation`` is "Warn" or "Fail"."""
         return str(self.config.checkpoint.tag_validation).lower() != "ignore"
 
     def checkpoint_tag_validation_fail(self) -> bool:
+        """Whether ``checkpoint.tag_validation`` is "Fail"."""
         return str(self.config.checkpoint.tag_validation).lower() == "fail"
 
     def use_node_local_storage(self) -> bool:
