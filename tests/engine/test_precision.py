@@ -101,7 +101,8 @@ def test_bad_scaler_arguments():
 
 def test_build_precision_from_the_config():
     fp16 = build_precision(load_config({"train_batch_size": 1, "fp16": {"enabled": True, "initial_scale_power": 5,
-                                                                          "hysteresis": 3}}))
+                                                                          "hysteresis": 3},
+                                        "zero_optimization": {"stage": 1}}))
     assert isinstance(fp16, FP16Precision) and fp16.loss_scale == 32.0 and fp16.scaler.hysteresis == 3
     assert fp16.model_dtype == torch.float16 and fp16.grad_accum_dtype == torch.float16
     static = build_precision(load_config({"train_batch_size": 1, "fp16": {"enabled": True, "loss_scale": 128}}))
@@ -133,8 +134,11 @@ def test_fp16_unscale_and_check():
 def test_fp16_overflow_skips_the_step_bit_identically_single_process(stage):
     got = fp16_overflow_on_rank(stage, [False, True, True, False, False, False, False])
     scale = 2.0**FP16_SCALE_POWER
-    # DeepSpeed doubles on the clean step after a full window of 3 clean steps: the 4th after the overflow
-    assert got["scales"] == [scale, scale, scale / 2, scale / 2, scale / 2, scale / 2, scale]
+    # DeepSpeed doubles on the clean step after a full window of 3 clean steps: the 4th after the overflow.
+    # At ZeRO 1/2 the first overflow spends the hysteresis (2); without ZeRO every overflow halves.
+    expected = [scale, scale, scale / 2, scale / 2, scale / 2, scale / 2, scale] if stage else \
+        [scale, scale / 2, scale / 4, scale / 4, scale / 4, scale / 4, scale / 2]
+    assert got["scales"] == expected
     assert got["unchanged"] == [False, True, True, False, False, False, False]
     assert got["skipped_steps"] == 2 and got["global_steps"] == 7 and got["finite"]
 

@@ -273,6 +273,13 @@ def _ignore_what_deepspeed_ignores(raw: dict[str, Any], config: TachyonConfig, i
     if accum is not None and accum not in ("fp32", config.precision) and config.zero_stage > 0:
         ignored["data_types.grad_accum_dtype"] = accum
         config.data_types.grad_accum_dtype = None
+    if config.fp16.enabled and config.zero_stage == 0 and config.fp16.hysteresis != 1:
+        # DeepSpeed's fp16 optimizer without ZeRO halves the scale at every overflow (its ZeRO
+        # optimizers' scaler is the one that spends hysteresis first)
+        fp16 = raw.get("fp16") if isinstance(raw.get("fp16"), dict) else {}
+        if "hysteresis" in fp16:
+            ignored["fp16.hysteresis"] = fp16["hysteresis"]
+        config.fp16.hysteresis = 1
     optimizer = raw.get("optimizer")
     if config.optimizer is not None and config.optimizer.type == "AdamW" and isinstance(optimizer, dict) \
             and isinstance(optimizer.get("params"), dict) and optimizer["params"].get("adam_w_mode") is False:
@@ -280,6 +287,8 @@ def _ignore_what_deepspeed_ignores(raw: dict[str, Any], config: TachyonConfig, i
 
 
 IGNORED_VALUES: dict[str, str] = {
+    "fp16.hysteresis": "without ZeRO (stage 0): DeepSpeed's fp16 optimizer halves the loss scale at every overflow, "
+                       "and so does tachyon; the hysteresis counts at ZeRO stages 1 and 2",
     "data_types.grad_accum_dtype": "a dtype other than fp32 or the model's under ZeRO stage 1/2: DeepSpeed's ZeRO "
                                    "optimizer accumulates in the model dtype then, and so does tachyon",
     "optimizer.params.adam_w_mode": 'false with type "AdamW": DeepSpeed applies decoupled weight decay for AdamW '

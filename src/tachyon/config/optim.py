@@ -216,7 +216,7 @@ class OneCycleParams(_SchedulerParams):
     cycle_max_lr: NonNegativeFloat
     decay_lr_rate: NonNegativeFloat = 0.0
     cycle_first_step_size: PositiveInt = 2000
-    cycle_second_step_size: PositiveInt | None = None
+    cycle_second_step_size: NonNegativeInt | None = None
     cycle_first_stair_count: NonNegativeInt = 0
     cycle_second_stair_count: NonNegativeInt | None = None
     decay_step_size: NonNegativeInt = 0

@@ -25,9 +25,8 @@ static ``fp16.loss_scale``), and ``engine.memory_breakdown()`` returns the bytes
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from .compat_missing import EngineAttributeError, missing_attribute
+from .compat_step import LossScale, LossScaleState, deepspeed_step, records_step
 
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """ZeRO strategy -> weak reference to its engine (`engine_of`: deepspeed.utils' safe_* helpers
@@ -47,79 +47,6 @@ def engine_of(strategy: Any) -> Any:
     """The live engine whose ZeRO strategy is ``strategy`` (None if gone)."""
     ref = _ENGINES.get(strategy)
     return ref() if ref is not None else None
-
-
-class LossScale(float):
-    """The current loss scale (a float). Called, it answers DeepSpeed's ``engine.loss_scale()``:
-    the config's static ``fp16.loss_scale`` (0 = dynamic)."""
-
-    def __new__(cls, current: float, configured: float):
-        value = super().__new__(cls, current)
-        value.configured = configured
-        return value
-
-    def __call__(self) -> float:
-        return self.configured
-
-    def __reduce__(self):  # pickles (a rank's result, a checkpoint) with both values
-        return LossScale, (float(self), self.configured)
-
-
-class _SchedulerWithKwargs:
-    """The engine's lr scheduler for one ``step(lr_kwargs=...)``: its ``step()`` gets the kwargs."""
-
-    def __init__(self, scheduler: Any, kwargs: dict):
-        self._scheduler, self._kwargs = scheduler, kwargs
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._scheduler.step(*args, **{**self._kwargs, **kwargs})
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._scheduler, name)
-
-
-def _count_step(engine: Any, run: Callable[[], Any]) -> Any:
-    """Run one step call and record whether it updated the weights (DeepSpeed's ``_step_applied``)."""
-    steps, skipped = engine.global_steps, engine.skipped_steps
-    engine._step_applied = False
-    result = run()
-    took_step = engine.global_steps > steps
-    engine._step_applied = took_step and engine.skipped_steps == skipped
-    if took_step and engine.optimizer is not None:
-        engine.optimizer.overflow = engine.skipped_steps != skipped  # DeepSpeed's optimizer.overflow
-    return result
-
-
-def deepspeed_step(step: Callable) -> Callable:
-    """Wraps ``Engine.step`` with DeepSpeed's ``step(lr_kwargs=None)``: records
-    ``was_step_applied``, refuses a step inside ``no_sync()`` (as DeepSpeed), and passes
-    ``lr_kwargs`` to the lr scheduler's ``step``."""
-
-    @functools.wraps(step)
-    def wrapper(self, lr_kwargs: dict | None = None) -> None:
-        if self._inside_no_sync:
-            raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync block first (its gradients "
-                               "are reduced by the next backward outside it), as DeepSpeed requires")
-        if not lr_kwargs or self.lr_scheduler is None:
-            return _count_step(self, lambda: step(self))
-        scheduler = self.lr_scheduler
-        self.lr_scheduler = _SchedulerWithKwargs(scheduler, dict(lr_kwargs))
-        try:
-            return _count_step(self, lambda: step(self))
-        finally:
-            self.lr_scheduler = scheduler
-
-    return wrapper
-
-
-def records_step(method: Callable) -> Callable:
-    """Wraps a method that may take an optimizer step (``train_batch``) to record ``was_step_applied``."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args: Any, **kwargs: Any) -> Any:
-        return _count_step(self, lambda: method(self, *args, **kwargs))
-
-    return wrapper
 
 
 class DeepSpeedEngineSurface:
@@ -142,6 +69,9 @@ class DeepSpeedEngineSurface:
             if "optimizer" not in vars(self.optimizer):
                 self.optimizer.optimizer = self.optimizer
             self.optimizer.overflow = False
+            self.optimizer.loss_scale_config = LossScaleState(self.precision, self.config)
+            if "adam_w_mode" in self.optimizer.defaults:  # DeepSpeed's FusedAdam attribute
+                self.optimizer.adam_w_mode = bool(self.optimizer.defaults["adam_w_mode"])
 
     # ------------------------------------------------------------------ attribute fallback
     def __getattr__(self, name: str) -> Any:
@@ -680,4 +610,4 @@ class DeepSpeedEngineSurface:
         self._data_iterator = iter(loader)
 
 
-__all__ = ["DeepSpeedEngineSurface", "LossScale", "deepspeed_step", "engine_of", "records_step"]
+__all__ = ["DeepSpeedEngineSurface", "LossScale", "LossScaleState", "deepspeed_step", "engine_of", "records_step"]

@@ -240,7 +240,7 @@ class OneCycle(_Schedule):
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         first = _check_int("cycle_first_step_size", cycle_first_step_size, 1)
-        second = first if cycle_second_step_size is None else _check_int("cycle_second_step_size", cycle_second_step_size, 1)
+        second = first if cycle_second_step_size is None else _check_int("cycle_second_step_size", cycle_second_step_size, 0)
         self.first_step_size, self.second_step_size = float(first), float(second)
         self.total_size = float(first + second)
         self.step_ratio = first / self.total_size
@@ -294,10 +294,8 @@ class OneCycle(_Schedule):
         factor = 1 + self.decay_lr_rate * self._decay_interval()
         return [lo / factor for lo in self.min_lrs]
 
-    def get_mom(self) -> list[float] | None:
-        """betas[0] per group at the current step (None when momentum is not cycled)."""
-        if not self.cycle_momentum:
-            return None
+    def _moms(self) -> list[float]:
+        """betas[0] per group at the current step."""
         if self.last_batch_iteration < self.total_size:
             scale = self._scale_factor()
             return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
@@ -306,6 +304,13 @@ class OneCycle(_Schedule):
         factor = 1 + self.decay_mom_rate * self._decay_interval()
         return [hi * factor for hi in self.max_moms]
 
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """(betas[0], betas[1]) per group at the current step, as DeepSpeed's (None when momentum
+        is not cycled); betas[1] is the group's own."""
+        if not self.cycle_momentum:
+            return None
+        return [(mom, group["betas"][1]) for mom, group in zip(self._moms(), self.optimizer.param_groups)]
+
     def _set_momentum(self, moms: list[float]) -> None:
         for group, mom in zip(self.optimizer.param_groups, moms):
             group["betas"] = (mom, group["betas"][1])
@@ -313,7 +318,7 @@ class OneCycle(_Schedule):
     def step(self, last_batch_iteration: int | None = None) -> None:
         super().step(last_batch_iteration)
         if self.cycle_momentum:
-            self._set_momentum(self.get_mom())
+            self._set_momentum(self._moms())
 
 
 class LRRangeTest(_Schedule):
