@@ -323,9 +323,6 @@ def test_grad_accum_dtype_must_be_fp32_or_training_precision_without_zero():
         load_config(cfg(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp16"}))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("accum", ["fp16", "bf16", "fp32"])
-@pytest.mark.parametrize("stage", [1, 2])
 def test_fp16_hysteresis_is_deepspeeds_per_stage():
     """DeepSpeed's fp16 optimizer without ZeRO halves at every overflow; its ZeRO optimizers spend
     the hysteresis first."""
@@ -335,6 +332,9 @@ def test_fp16_hysteresis_is_deepspeeds_per_stage():
     assert load_config(cfg(fp16=fp16, zero_optimization={"stage": 2})).fp16.hysteresis == 3
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("accum", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("stage", [1, 2])
 def test_every_grad_accum_dtype_starts_with_zero_as_in_deepspeed(stage, accum, precision):
     """DeepSpeed's ZeRO-1/2 accept every (model dtype, grad_accum_dtype) pair; a pair other than
     the model dtype or fp32 accumulates in the model dtype there, and is reported as ignored."""
