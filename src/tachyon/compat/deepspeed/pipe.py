@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from tachyon.compat._names import Target, module_getattr
-from tachyon.compat.deepspeed.topology import (
+from tachyon.compat.deepspeed.topology import (  # noqa: F401 (re-exported)
     PipeDataParallelTopology,
     PipeModelDataParallelTopology,
     ProcessTopology,
