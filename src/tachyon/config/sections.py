@@ -411,5 +411,5 @@ class SchedulerConfig(Section):
     """``"scheduler"``: ``type`` is the canonical name; ``params`` holds every parameter of that
     type with DeepSpeed's defaults filled in (see `tachyon.config.optim`)."""
 
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"]
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
     params: dict[str, Any] = Field(default_factory=dict)

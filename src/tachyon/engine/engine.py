@@ -52,6 +52,10 @@ MoQ (``quantize_training`` section, `tachyon.engine.moq`): after every optimizer
 (boundary, no overflow) ``engine.quantizer`` counts the step and snaps the model's linear weights
 onto its current grid from their full-precision values, which the optimizer keeps updating;
 ``engine.quantizer.inference_quant()`` is the ``quant=`` for `tachyon.init_inference`.
+
+DeepSpeed's engine names (ranks and sizes, config getters, ``global_samples``,
+``was_step_applied``, ``no_sync``, ...) come from `tachyon.engine.compat_surface`; a name the
+engine leaves out raises an error saying so (`tachyon.engine.compat_missing`).
 """
 
 from __future__ import annotations
@@ -62,12 +66,12 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
 
 from tachyon.config import ConfigError, TachyonConfig
 from tachyon.parallel.pipeline import PipelineModule
 
 from . import pipeline
+from .compat_surface import DeepSpeedEngineSurface, deepspeed_step, records_step
 from .cuda_graph import EngineCudaGraph, check_cuda_graph
 from .lr_schedules import build_scheduler
 from .nonfinite import NonFiniteGradientsError, StepGuard
@@ -85,7 +89,7 @@ CLIP_EPS = 1e-6
 """clip coefficient = max_norm / (norm + CLIP_EPS), as in torch.nn.utils.clip_grad_norm_."""
 
 
-class Engine(torch.nn.Module):
+class Engine(DeepSpeedEngineSurface, torch.nn.Module):
     """Wraps a model for training; build it with `tachyon.initialize`.
 
     Args:
@@ -194,6 +198,7 @@ class Engine(torch.nn.Module):
         self.training_dataloader = (
             self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
         )
+        self._init_deepspeed_surface()
 
     # ------------------------------------------------------------------ training loop
     @property
@@ -244,12 +249,13 @@ class Engine(torch.nn.Module):
             if scale_wrt_gas and gas > 1:
                 scaled = scaled / gas
             scaled = self.precision.scale_loss(scaled)
-            self.zero.begin_backward(self.is_gradient_accumulation_boundary())
+            self.zero.begin_backward(self._backward_reduces())
             scaled.backward(retain_graph=retain_graph)
         with self.telemetry.phase("reduce"):
             self.zero.end_backward()
         return loss
 
+    @deepspeed_step
     def step(self) -> None:
         """Count a micro-step; on the accumulation boundary update the weights (unless fp16
         overflowed), step the lr schedule and clear the gradients; then report the step
@@ -316,6 +322,7 @@ class Engine(torch.nn.Module):
             self._unused_guard.reset()
 
     # ------------------------------------------------------------------ pipelines
+    @records_step
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
         """One optimizer step of a PipelineModule (DeepSpeed's name): the ``pipeline.schedule``
         runs ``gradient_accumulation_steps`` micro-batches, each an ``(inputs, labels)`` item of
@@ -358,9 +365,6 @@ class Engine(torch.nn.Module):
         The engine does not guess it from input shapes (padding, packing, non-text inputs)."""
         self.telemetry.set_tokens_per_sample(tokens)
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's; not mutated)
                         exclude_frozen_parameters=False) -> bool:
@@ -386,18 +390,6 @@ class Engine(torch.nn.Module):
         from .checkpoint import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename)
-
-    # ------------------------------------------------------------------ data
-    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, collate_fn: Any = None) -> DataLoader:
-        """A DataLoader over ``dataset`` with a DistributedSampler over the data-parallel group
-        and the micro-batch size."""
-        sampler = DistributedSampler(dataset, num_replicas=self.comm.world_size, rank=self.comm.rank)
-        return DataLoader(
-            dataset,
-            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
-            sampler=sampler,
-            collate_fn=collate_fn,
-        )
 
     # ------------------------------------------------------------------ queries
     def train_batch_size(self) -> int:
@@ -428,10 +420,6 @@ class Engine(torch.nn.Module):
         """The global gradient norm of the last step, before clipping (None: no step yet, or
         the last one overflowed)."""
         return None if self._grad_norm is None else float(self._grad_norm)
-
-    @property
-    def loss_scale(self) -> float:
-        return self.precision.loss_scale
 
     @property
     def data_parallel_world_size(self) -> int:
@@ -480,14 +468,6 @@ class Engine(torch.nn.Module):
             breakdown["moq_full_precision"] = extra
             breakdown["model_states"] += extra
         return breakdown
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(super().__getattr__("module"), name)
 
 
 # ---------------------------------------------------------------------- helpers
