@@ -1,0 +1,59 @@
+"""Which GEMM path each FP8 recipe takes on a device: what ``tachyon info`` prints.
+
+    tachyon.fp8.gemm_paths()
+    # {"delayed": (True, "emulated on cpu: ..."), "current": (...), "block": (...), "mxfp8": (False, "...")}
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tachyon.fp8.context import recipe_support
+from tachyon.fp8.block_gemm import block_gemm_support
+from tachyon.fp8.gemm import native_fp8_supported
+from tachyon.fp8.recipe import Float8BlockScaling, MXFP8BlockScaling
+
+
+def _per_tensor(device: torch.device) -> str:
+    if native_fp8_supported(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"native: torch._scaled_mm with per-tensor scales (compute capability {major}.{minor})"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"emulated: compute capability {major}.{minor} has no FP8 tensor cores (needs 8.9+)"
+    return f"emulated on {device.type}: cast to FP8 and back, fp32 matmul"
+
+
+def _block(recipe, device: torch.device) -> str:
+    """One line for the three GEMMs of a block recipe (their block pairs differ)."""
+    size = recipe.block_size
+    blocks = {role: (size, size) if recipe.block_dim(role) == 2 else (1, size) for role in ("input", "weight", "grad_output")}
+    fwd, bwd = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
+    gemms = {"fprop": (blocks["input"], blocks["weight"], fwd, fwd),
+             "dgrad": (blocks["grad_output"], blocks["weight"], bwd, fwd),
+             "wgrad": (blocks["grad_output"], blocks["input"], bwd, fwd)}
+    answers = {name: block_gemm_support(device, a, b, da, db) for name, (a, b, da, db) in gemms.items()}
+    reasons = {reason for _, reason in answers.values()}
+    if len(reasons) == 1:
+        return reasons.pop()
+    return "; ".join(f"{name} {reason}" for name, (_, reason) in answers.items())
+
+
+def gemm_paths(device: torch.device | str | None = None) -> dict[str, tuple[bool, str]]:
+    """{"delayed", "current", "block", "mxfp8"} -> (the recipe runs here, what its GEMMs run on):
+    native torch._scaled_mm or exact emulation, and for a refused recipe the reason. Default
+    device: the current CUDA device, else CPU. On a GPU this tries the blockwise torch._scaled_mm
+    once (cached)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    per_tensor = _per_tensor(device)
+    out = {"delayed": (True, per_tensor),
+           "current": (True, per_tensor + "; scales from each tensor's amax (one reduction, then the cast)"),
+           "block": (True, "1x128 / 128x128 blocks: " + _block(Float8BlockScaling(), device))}
+    runs, why = recipe_support(MXFP8BlockScaling(), device)
+    out["mxfp8"] = (True, "1x32 blocks: " + _block(MXFP8BlockScaling(), device)) if runs else (False, why)
+    return out
+
+
+__all__ = ["gemm_paths"]
