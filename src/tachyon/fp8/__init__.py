@@ -106,7 +106,7 @@ from tachyon.fp8.block_gemm import block_gemm, block_gemm_support
 from tachyon.fp8.checkpoint import fp8_checkpoint_context_fn, fp8_checkpoint_contexts
 from tachyon.fp8.gemm import FP8_ALIGNMENT, cast_from_fp8, cast_to_fp8, check_fp8_dims, fp8_gemm, native_fp8_supported
 from tachyon.fp8.linear import FP8ModuleMixin, decode_extra_state, encode_extra_state, fp8_linear
-from tachyon.fp8.paths import gemm_paths
+from tachyon.fp8.paths import gemm_paths, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available
 from tachyon.fp8.pending import pending_states, reduce_and_update_fp8_tensors, update_module_scales
 from tachyon.fp8.quantize import BlockQuantized, compute_scale, current_scale, dequantize, quantize_blocks
 from tachyon.fp8.recipe import (
@@ -122,6 +122,6 @@ __all__ = [
     "block_gemm_support", "cast_from_fp8", "cast_to_fp8", "check_fp8_dims", "compute_scale", "current_scale",
     "current_settings", "decode_extra_state", "dequantize", "encode_extra_state", "fp8_autocast",
     "fp8_checkpoint_context_fn", "fp8_checkpoint_contexts", "fp8_gemm", "fp8_linear", "gemm_paths",
-    "is_fp8_enabled", "native_fp8_supported", "pending_states", "quantize_blocks", "recipe_support", "recomputing",
+    "is_fp8_available", "is_fp8_block_scaling_available", "is_fp8_enabled", "is_mxfp8_available", "native_fp8_supported", "pending_states", "quantize_blocks", "recipe_support", "recomputing",
     "reduce_amax", "reduce_and_update_fp8_tensors", "update_module_scales", "update_scales",
 ]

@@ -57,3 +57,33 @@ def gemm_paths(device: torch.device | str | None = None) -> dict[str, tuple[bool
 
 
 __all__ = ["gemm_paths"]
+
+
+def _answer(runs: bool, reason: str, return_reason: bool) -> bool | tuple[bool, str]:
+    return (runs, "" if runs else reason) if return_reason else runs
+
+
+def is_fp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """Transformer Engine's query: True where FP8 GEMMs run on tensor cores (compute capability
+    8.9+). tachyon also runs FP8 elsewhere, emulated (:func:`gemm_paths`)."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    runs = native_fp8_supported(device)
+    return _answer(runs, "FP8 tensor cores need a GPU of compute capability 8.9+; tachyon emulates FP8 here "
+                         f"({_per_tensor(device)})", return_reason)
+
+
+def is_fp8_block_scaling_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """Transformer Engine's query: True where block-scaled GEMMs run natively (torch._scaled_mm's
+    blockwise scaling; tried on this GPU). tachyon also runs them emulated (:func:`gemm_paths`)."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    reason = _block(Float8BlockScaling(), device)
+    return _answer(reason.startswith("native"), reason, return_reason)
+
+
+def is_mxfp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """Transformer Engine's query: True where MXFP8BlockScaling runs (compute capability 10.x)."""
+    runs, why = recipe_support(MXFP8BlockScaling())
+    return _answer(runs, why, return_reason)
+
+
+__all__ += ["is_fp8_available", "is_fp8_block_scaling_available", "is_mxfp8_available"]

@@ -35,6 +35,10 @@ class ScalingState:
     """
 
     def __init__(self, amax_history_len: int = 16, *, backward: bool = False, device: torch.device | str | None = None) -> None:
+        # on CPU unless told: a model built under a meta-device context (Hugging Face's
+        # from_pretrained) still has a state that state_dict() can encode; the first FP8 forward
+        # moves it to the data's device
+        device = torch.device("cpu") if device is None else device
         self.backward = backward
         self.amax_history = torch.zeros(amax_history_len, dtype=torch.float32, device=device)
         self.scale = torch.ones((), dtype=torch.float32, device=device)
