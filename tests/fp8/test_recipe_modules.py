@@ -167,8 +167,7 @@ def test_autocast_signature_refusals_and_fp8_autocast_alias():
     with context, pytest.raises(RuntimeError, match="this context is open already"):
         with context:
             pass
-    settings = fp8_autocast(fp8_recipe=Float8CurrentScaling(), fp8_group=None)._settings
-    assert isinstance(settings.recipe, Float8CurrentScaling)
+    assert isinstance(fp8_autocast(fp8_recipe=Float8CurrentScaling(), fp8_group=None).recipe, Float8CurrentScaling)
 
 
 def test_scale_updates_on_demand_and_for_graph_replays():

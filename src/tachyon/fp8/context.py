@@ -168,6 +168,14 @@ class autocast:  # noqa: N801 - Transformer Engine's name for a context manager
         self._graph = _graph
         self._outermost: bool | None = None
 
+    @property
+    def recipe(self) -> Recipe:
+        return self._settings.recipe
+
+    @property
+    def settings(self) -> AutocastSettings:
+        return self._settings
+
     def __enter__(self) -> autocast:
         if self._outermost is not None:
             raise RuntimeError("autocast: this context is open already; create a new tachyon.autocast(...) to nest one")

@@ -56,7 +56,7 @@ def compute_scale(amax: torch.Tensor, fp8_max: float, qparams: QParams, value_fo
     # a tensor over a tensor: the correctly rounded quotient (a float over a tensor is computed
     # as a reciprocal times the float in torch, which can differ in the last bit)
     candidate = torch.clamp_max(_constant(fp8_max, amax.device) / amax, value_for_inf)
-    scale = torch.where((amax > 0) & (amax < float("inf")), candidate, 1.0)  # NaN fails both comparisons
+    scale = torch.where((amax > 0) & (amax < float("inf")), candidate, _constant(1.0, amax.device))  # NaN fails both
     if qparams.power_2_scale:
         scale = (scale.view(torch.int32) & _MANTISSA_CLEARED).view(torch.float32)
     return scale
@@ -121,9 +121,10 @@ def quantize_blocks(t: torch.Tensor, fp8_dtype: torch.dtype, block: tuple[int, i
         raise ValueError(f"quantize_blocks: t must be 2-D; got shape {tuple(t.shape)}")
     fp8_max = FP8_MAX[fp8_dtype]
     blocks, (pad_r, pad_c) = _blocks_view(t.detach(), block)
-    amax = blocks.abs().amax(dim=(1, 3)).float()  # [R / br, C / bc]
+    blocks = blocks.float()
+    amax = blocks.abs().amax(dim=(1, 3))  # [R / br, C / bc]
     scale = compute_scale(amax, fp8_max, qparams, torch.finfo(t.dtype).max)
-    scaled = blocks.float() * scale[:, None, :, None]
+    scaled = blocks * scale[:, None, :, None]
     data = scaled.clamp(-fp8_max, fp8_max).to(fp8_dtype)
     rows, cols = t.shape
     data = data.reshape(rows + pad_r, cols + pad_c)

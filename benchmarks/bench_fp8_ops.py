@@ -1,0 +1,132 @@
+"""ATen ops per FP8 GEMM under each recipe (CPU emulation): what a GPU's host pays per GEMM.
+
+Every op dispatched while a tachyon.nn.Linear runs its forward, and then its backward, is
+counted by a TorchDispatchMode (views, which move no data and launch nothing, are left out: view,
+_unsafe_view, reshape-as-view, t, transpose, select, unbind, as_strided, expand, detach). The
+emulated FP8 GEMM is one matmul (where the GPU runs one torch._scaled_mm) plus the dequantizing
+multiplies and conversions around it, so each row also gives the count without them: the ops the
+native path keeps (quantization and scale computation, the GEMM itself, the bias).
+
+Also a whole tachyon.nn.TransformerLayer (4 FP8 GEMMs) forward and backward.
+
+    python benchmarks/bench_fp8_ops.py                 # prints the table, appends CSV rows
+    python benchmarks/bench_fp8_ops.py --tokens 64 --hidden 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import output_dir, print_table, write_csv  # noqa: E402
+
+aten = torch.ops.aten
+VIEWS = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int, aten.select.int,
+         aten.unbind.int, aten.as_strided.default, aten.expand.default, aten.detach.default, aten.alias.default,
+         aten.slice.Tensor, aten.view_as_real.default, aten.permute.default, aten.unsqueeze.default,
+         aten.squeeze.dim, aten.view.dtype}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts dispatched ops by name, views left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in VIEWS:
+            self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+# ops the emulation adds around its matmul that torch._scaled_mm does inside (the dequantization)
+EMULATION_ONLY = ("_to_copy", "mul", "mm", "repeat_interleave", "index_select", "clone")
+
+
+def recipes() -> dict:
+    from tachyon.fp8 import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+
+    return {"bf16 (no FP8)": None, "delayed": DelayedScaling(), "current": Float8CurrentScaling(),
+            "block": Float8BlockScaling()}
+
+
+def count_linear(recipe, tokens: int, hidden: int, dtype: torch.dtype) -> tuple[OpCounter, OpCounter]:
+    import tachyon
+    import tachyon.nn as tnn
+
+    layer = tnn.Linear(hidden, hidden, params_dtype=dtype)
+    x = torch.randn(tokens, hidden, dtype=dtype, requires_grad=True)
+    for _ in range(2):  # warm: states prepared, scales set
+        with tachyon.autocast(enabled=recipe is not None, recipe=recipe):
+            y = layer(x)
+        y.float().sum().backward()
+    grad = torch.ones(tokens, hidden, dtype=dtype)
+    fwd, bwd = OpCounter(), OpCounter()
+    with fwd, tachyon.autocast(enabled=recipe is not None, recipe=recipe):
+        y = layer(x)
+    with bwd:
+        y.backward(grad)
+    return fwd, bwd
+
+
+def count_layer(recipe, tokens: int, hidden: int, dtype: torch.dtype) -> tuple[OpCounter, OpCounter]:
+    import tachyon
+    import tachyon.nn as tnn
+
+    layer = tnn.TransformerLayer(hidden, 4 * hidden, max(1, hidden // 64), hidden_dropout=0.0, attention_dropout=0.0,
+                                 params_dtype=dtype, attn_input_format="bshd")
+    x = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
+    for _ in range(2):
+        with tachyon.autocast(enabled=recipe is not None, recipe=recipe):
+            y = layer(x)
+        y.float().sum().backward()
+    fwd, bwd = OpCounter(), OpCounter()
+    with fwd, tachyon.autocast(enabled=recipe is not None, recipe=recipe):
+        y = layer(x)
+    with bwd:
+        y.backward(torch.ones_like(y))
+    return fwd, bwd
+
+
+def run(tokens: int, hidden: int, dtype: torch.dtype) -> list[dict]:
+    rows = []
+    for name, recipe in recipes().items():
+        fwd, bwd = count_linear(recipe, tokens, hidden, dtype)
+        lfwd, lbwd = count_layer(recipe, tokens, hidden, dtype)
+        rows.append({
+            "recipe": name, "Linear fwd ops": fwd.total, "Linear bwd ops": bwd.total,
+            "of which emulation-only (fwd/bwd)": f"{sum(fwd.ops[k] for k in EMULATION_ONLY)}/"
+                                                 f"{sum(bwd.ops[k] for k in EMULATION_ONLY)}",
+            "TransformerLayer fwd ops": lfwd.total, "TransformerLayer bwd ops": lbwd.total,
+            "Linear fwd detail": " ".join(f"{k}:{v}" for k, v in sorted(fwd.ops.items())),
+            "Linear bwd detail": " ".join(f"{k}:{v}" for k, v in sorted(bwd.ops.items())),
+        })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=256)
+    args = parser.parse_args()
+    rows = run(args.tokens, args.hidden, torch.bfloat16)
+    print_table([{k: v for k, v in r.items() if "detail" not in k} for r in rows],
+                title=f"ATen ops per FP8 GEMM (CPU emulation, bf16, {args.tokens} tokens, hidden {args.hidden})")
+    for r in rows:
+        print(f"\n{r['recipe']}\n  forward:  {r['Linear fwd detail']}\n  backward: {r['Linear bwd detail']}")
+    write_csv(output_dir() / "bench_fp8_ops.csv", rows, "fp8_ops")
+
+
+if __name__ == "__main__":
+    main()
