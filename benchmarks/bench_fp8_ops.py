@@ -1,25 +1,34 @@
-"""ATen ops per FP8 GEMM under each recipe (CPU emulation): what a GPU's host pays per GEMM.
+"""Ops per FP8 GEMM under each recipe, in emulation on CPU: what a GPU's host pays per GEMM.
 
 Every op dispatched while a tachyon.nn.Linear runs its forward, and then its backward, is
 counted by a TorchDispatchMode (views, which move no data and launch nothing, are left out: view,
-_unsafe_view, reshape-as-view, t, transpose, select, unbind, as_strided, expand, detach). The
-emulated FP8 GEMM is one matmul (where the GPU runs one torch._scaled_mm) plus the dequantizing
-multiplies and conversions around it, so each row also gives the count without them: the ops the
-native path keeps (quantization and scale computation, the GEMM itself, the bias).
+_unsafe_view, t, transpose, select, unbind, as_strided, expand, detach, ...), on two paths:
 
-Also a whole tachyon.nn.TransformerLayer (4 FP8 GEMMs) forward and backward.
+    torch    tachyon's PyTorch path (the CPU's): every ATen op, inside tachyon's ops too
+    triton   the GPU's op sequence (Triton kernels under the CPU interpreter): each tachyon op
+             (the fused FP8 casts, norms, attention) counts once, as the one kernel it launches
 
-    python benchmarks/bench_fp8_ops.py                 # prints the table, appends CSV rows
-    python benchmarks/bench_fp8_ops.py --tokens 64 --hidden 256
+The emulated FP8 GEMM is one matmul (where the GPU runs one torch._scaled_mm) plus the
+dequantizing conversions and multiplies around it: the "emulation only" column counts those
+(and the matmuls), which the native path does not run. Also a whole tachyon.nn.TransformerLayer
+(4 FP8 GEMMs) forward and backward. The delayed recipe's forward count includes the scale update
+at the autocast's exit.
+
+    python benchmarks/bench_fp8_ops.py                 # both paths; prints the tables, appends CSV rows
+    python benchmarks/bench_fp8_ops.py --tokens 64 --hidden 256 --path torch
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from collections import Counter
 from pathlib import Path
 
+if __name__ == "__main__" and "--path" not in sys.argv[1:] or "triton" in sys.argv[1:]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton path runs its kernels interpreted, on CPU
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -99,13 +108,40 @@ def count_layer(recipe, tokens: int, hidden: int, dtype: torch.dtype) -> tuple[O
     return fwd, bwd
 
 
-def run(tokens: int, hidden: int, dtype: torch.dtype) -> list[dict]:
+@contextlib.contextmanager
+def on_path(path: str):
+    """Run tachyon's ops on ``path``: "torch" (tachyon's custom ops replaced by their PyTorch
+    reference, so their ATen ops are counted) or "triton" (interpreted kernels, one op each)."""
+    import tachyon
+    import tachyon.kernels.fp8_block_cast.op as block_op
+    from tachyon.kernels.fp8_block_cast import reference
+
+    if path == "triton":
+        with tachyon.use_backend("triton"):
+            yield
+        return
+    real = block_op._fp8_block_cast
+
+    def inline(x, fp8_dtype, size, square, rows, cols, pow2, eps, backend):
+        return reference.block_cast(x, fp8_dtype, size, square=square, rows=rows, cols=cols, power_2_scale=pow2,
+                                    amax_epsilon=eps)
+
+    block_op._fp8_block_cast = inline
+    try:
+        with tachyon.use_backend("torch"):
+            yield
+    finally:
+        block_op._fp8_block_cast = real
+
+
+def run(tokens: int, hidden: int, dtype: torch.dtype, path: str = "torch") -> list[dict]:
     rows = []
     for name, recipe in recipes().items():
-        fwd, bwd = count_linear(recipe, tokens, hidden, dtype)
-        lfwd, lbwd = count_layer(recipe, tokens, hidden, dtype)
+        with on_path(path):
+            fwd, bwd = count_linear(recipe, tokens, hidden, dtype)
+            lfwd, lbwd = count_layer(recipe, tokens, hidden, dtype)
         rows.append({
-            "recipe": name, "Linear fwd ops": fwd.total, "Linear bwd ops": bwd.total,
+            "path": path, "recipe": name, "Linear fwd ops": fwd.total, "Linear bwd ops": bwd.total,
             "of which emulation-only (fwd/bwd)": f"{sum(fwd.ops[k] for k in EMULATION_ONLY)}/"
                                                  f"{sum(bwd.ops[k] for k in EMULATION_ONLY)}",
             "TransformerLayer fwd ops": lfwd.total, "TransformerLayer bwd ops": lbwd.total,
@@ -119,13 +155,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--path", choices=("torch", "triton"), nargs="+", default=["torch", "triton"])
     args = parser.parse_args()
-    rows = run(args.tokens, args.hidden, torch.bfloat16)
-    print_table([{k: v for k, v in r.items() if "detail" not in k} for r in rows],
-                title=f"ATen ops per FP8 GEMM (CPU emulation, bf16, {args.tokens} tokens, hidden {args.hidden})")
-    for r in rows:
-        print(f"\n{r['recipe']}\n  forward:  {r['Linear fwd detail']}\n  backward: {r['Linear bwd detail']}")
-    write_csv(output_dir() / "bench_fp8_ops.csv", rows, "fp8_ops")
+    for path in args.path:
+        rows = run(args.tokens, args.hidden, torch.bfloat16, path)
+        print_table([{k: v for k, v in r.items() if "detail" not in k} for r in rows],
+                    title=f"ops per FP8 GEMM, {path} path (CPU emulation, bf16, {args.tokens} tokens, hidden {args.hidden})")
+        for r in rows:
+            print(f"\n{r['recipe']} ({path})\n  forward:  {r['Linear fwd detail']}\n  backward: {r['Linear bwd detail']}")
+        write_csv(output_dir() / "bench_fp8_ops.csv", rows, "fp8_ops")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
     out = block_fp8_linear(x, weight, bias, scaling, settings, is_first_microbatch)   # x [M, K], weight [N, K]
 
 Every GEMM contracts over blocks of its operands' columns, so each operand is quantized along
-the dimension the GEMM that uses it sums over, from high precision (``_quantize_operand``):
+the dimension the GEMM that uses it sums over, from high precision (:func:`tachyon.fp8.quantize.
+quantize_operand`: one cast, both directions from one read on the GPU):
 
     forward  out [M, N] = x_q [M, K] @ w_q [N, K].T        x: 1 x 128 along K   w: 128 x 128
     dgrad    dx  [M, K] = g_q [M, N] @ w_qT [K, N].T       g: 1 x 128 along N   w: the same blocks, transposed
@@ -14,9 +15,9 @@ the dimension the GEMM that uses it sums over, from high precision (``_quantize_
 (Float8BlockScaling's defaults; ``x_block_scaling_dim`` / ``w_block_scaling_dim`` /
 ``grad_block_scaling_dim`` = 2 give a role 128 x 128 blocks, whose one quantization serves both
 directions; MXFP8 uses 1 x 32 blocks for every role.) An input with a weight that needs a
-gradient is therefore read twice in the forward, once per direction, as Transformer Engine does
-("both versions are computed from the high precision input to avoid double quantization
-errors"); the gradient likewise in the backward. Nothing is recorded and no scale is kept: the
+gradient is therefore quantized twice in the forward, once per direction, as Transformer Engine
+does ("both versions are computed from the high precision input to avoid double quantization
+errors"), by one kernel that reads it once; the gradient likewise in the backward. Nothing is recorded and no scale is kept: the
 recipes are stateless. Saved for backward: x quantized along M (FP8 data [K, M] and its fp32
 scales) and the weight quantized for dgrad, or nothing for an operand whose gradient partner
 needs none. The GEMMs are :func:`tachyon.fp8.block_gemm.block_gemm` (torch._scaled_mm's
@@ -30,22 +31,8 @@ import torch
 from tachyon.fp8.context import AutocastSettings, autocast_active
 from tachyon.fp8.block_gemm import block_gemm
 from tachyon.fp8.checkpoint import GemmCall, note_call, recording, replay_call
-from tachyon.fp8.quantize import BlockQuantized, as_rows_of_transpose, quantize_blocks
+from tachyon.fp8.quantize import BlockQuantized, quantize_operand
 from tachyon.fp8.scaling import CachedWeight, GemmScaling
-
-
-def _quantize_operand(t: torch.Tensor, fp8_dtype: torch.dtype, dim: int, size: int, qparams, *, rows: bool,
-                      cols: bool) -> tuple[BlockQuantized | None, BlockQuantized | None]:
-    """(t quantized for a GEMM summing over t's columns: data [R, C]; t quantized for one summing
-    over its rows, in transposed form: data [C, R]), each only when asked. dim 2: one 128 x 128
-    (size x size) quantization serves both; dim 1: 1 x size blocks along each direction, each
-    computed from t."""
-    if dim == 2:
-        q = quantize_blocks(t, fp8_dtype, (size, size), qparams)
-        return (q if rows else None), (as_rows_of_transpose(q) if cols else None)
-    q_rows = quantize_blocks(t, fp8_dtype, (1, size), qparams) if rows else None
-    q_cols = as_rows_of_transpose(quantize_blocks(t, fp8_dtype, (size, 1), qparams)) if cols else None
-    return q_rows, q_cols
 
 
 def _unpack(q: BlockQuantized | None) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple | None]:
@@ -60,7 +47,7 @@ class _FP8BlockLinear(torch.autograd.Function):
         recipe = settings.recipe
         fp8_dtype, size = recipe.fp8_format.forward_dtype, recipe.block_size
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        xq, xq_t = _quantize_operand(x, fp8_dtype, recipe.block_dim("input"), size, recipe.fp8_quant_fwd_inp,
+        xq, xq_t = quantize_operand(x, fp8_dtype, recipe.block_dim("input"), size, recipe.fp8_quant_fwd_inp,
                                      rows=True, cols=need_dw)
         replay = replay_call(scaling)
         cache = None
@@ -72,7 +59,7 @@ class _FP8BlockLinear(torch.autograd.Function):
             wq, wq_t = cache.data, cache.data_t
         else:
             caching = bool(is_first_microbatch) and replay is None
-            wq, wq_t = _quantize_operand(weight, fp8_dtype, recipe.block_dim("weight"), size,
+            wq, wq_t = quantize_operand(weight, fp8_dtype, recipe.block_dim("weight"), size,
                                          recipe.fp8_quant_fwd_weight, rows=True, cols=need_dx or caching)
             if caching:
                 scaling.weight_cache = CachedWeight(wq, None, wq_t, recipe.name)
@@ -100,7 +87,7 @@ class _FP8BlockLinear(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gq, gq_t = _quantize_operand(grad_out, recipe.fp8_format.backward_dtype, recipe.block_dim("grad_output"),
+        gq, gq_t = quantize_operand(grad_out, recipe.fp8_format.backward_dtype, recipe.block_dim("grad_output"),
                                      recipe.block_size, recipe.fp8_quant_bwd_grad, rows=need_dx, cols=need_dw)
         dx = dw = db = None
         if need_dx:  # dx [M, K] = g [M, N] @ w [N, K]: w's dgrad form is [K, N], blocks along N

@@ -23,43 +23,24 @@ into that form by :func:`as_rows_of_transpose`, which transposes the FP8 data (o
 value), never the high-precision tensor.
 
 On the GPU the per-tensor cast is tachyon's fused cast kernel (reading x once, writing x8 and
-its transpose) after one amax reduction over x; the block casts are the PyTorch ops below.
+its transpose) after one amax reduction over x; the block casts of a GEMM operand are one
+Triton kernel (tachyon.kernels.fp8_block_cast: both directions from one read; its PyTorch
+reference elsewhere, the same bits), through :func:`quantize_operand`.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tachyon.fp8.recipe import FP8_MAX, QParams
-
-FP32_MAX = torch.finfo(torch.float32).max
-_MANTISSA_CLEARED = -0x800000  # int32 0xFF800000: sign and exponent bits of an fp32
-
-
-_CONSTANTS: dict[tuple[float, torch.device], torch.Tensor] = {}
-
-
-def _constant(value: float, device: torch.device) -> torch.Tensor:
-    """A cached fp32 0-dim tensor holding ``value`` on ``device`` (no fill or copy per call)."""
-    key = (value, device)
-    tensor = _CONSTANTS.get(key)
-    if tensor is None:
-        tensor = _CONSTANTS[key] = torch.tensor(value, dtype=torch.float32, device=device)
-    return tensor
+from tachyon.kernels.fp8_block_cast import block_cast_to_fp8
+from tachyon.kernels.fp8_block_cast.reference import FP32_MAX, block_scale
+from tachyon.kernels.fp8_block_cast.reference import quantize as _quantize
 
 
 def compute_scale(amax: torch.Tensor, fp8_max: float, qparams: QParams, value_for_inf: float = FP32_MAX) -> torch.Tensor:
     """The scale of each amax (any shape, fp32) by the rule in the module docstring."""
-    if qparams.amax_epsilon > 0:
-        amax = torch.clamp_min(amax, qparams.amax_epsilon)  # NaN stays NaN
-    # a tensor over a tensor: the correctly rounded quotient (a float over a tensor is computed
-    # as a reciprocal times the float in torch, which can differ in the last bit)
-    candidate = torch.clamp_max(_constant(fp8_max, amax.device) / amax, value_for_inf)
-    scale = torch.where((amax > 0) & (amax < float("inf")), candidate, _constant(1.0, amax.device))  # NaN fails both
-    if qparams.power_2_scale:
-        scale = (scale.view(torch.int32) & _MANTISSA_CLEARED).view(torch.float32)
-    return scale
+    return block_scale(amax, fp8_max, qparams.power_2_scale, qparams.amax_epsilon, value_for_inf)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -100,43 +81,41 @@ class BlockQuantized:
         return f"BlockQuantized({self.data.dtype}, shape={tuple(self.data.shape)}, block={self.block})"
 
 
-def _blocks_view(t: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int]]:
-    """t [R, C] -> [R / br, br, C / bc, bc] (zero-padded to whole blocks where needed)."""
-    rows, cols = t.shape
-    br, bc = block
-    pad_r, pad_c = -rows % br, -cols % bc
-    if pad_r or pad_c:
-        t = F.pad(t, (0, pad_c, 0, pad_r))
-    return t.reshape((rows + pad_r) // br, br, (cols + pad_c) // bc, bc), (pad_r, pad_c)
-
-
 @torch.no_grad()
 def quantize_blocks(t: torch.Tensor, fp8_dtype: torch.dtype, block: tuple[int, int], qparams: QParams) -> BlockQuantized:
-    """t [R, C] (fp32/fp16/bf16) -> BlockQuantized with one scale per ``block`` = (br, bc).
+    """t [R, C] (fp32/fp16/bf16) -> BlockQuantized with one scale per ``block`` = (br, bc), any
+    block shape (the PyTorch path).
 
     Each block: amax, scale (module docstring; value_for_inf the largest finite value of t's
     dtype, as Transformer Engine), fp8(clamp(t * scale, +-fp8_max)) rounded to nearest even.
     No autograd; nothing saved."""
     if t.dim() != 2:
         raise ValueError(f"quantize_blocks: t must be 2-D; got shape {tuple(t.shape)}")
-    fp8_max = FP8_MAX[fp8_dtype]
-    blocks, (pad_r, pad_c) = _blocks_view(t.detach(), block)
-    blocks = blocks.float()
-    amax = blocks.abs().amax(dim=(1, 3))  # [R / br, C / bc]
-    scale = compute_scale(amax, fp8_max, qparams, torch.finfo(t.dtype).max)
-    scaled = blocks * scale[:, None, :, None]
-    data = scaled.clamp(-fp8_max, fp8_max).to(fp8_dtype)
-    rows, cols = t.shape
-    data = data.reshape(rows + pad_r, cols + pad_c)
-    if pad_r or pad_c:
-        data = data[:rows, :cols].contiguous()
-    return BlockQuantized(data, scale.reciprocal(), block)
+    if fp8_dtype not in FP8_MAX:
+        raise ValueError(f"quantize_blocks: fp8_dtype={fp8_dtype} is not an FP8 dtype")
+    data, scale_inv = _quantize(t, fp8_dtype, block, qparams.power_2_scale, qparams.amax_epsilon)
+    return BlockQuantized(data, scale_inv, block)
+
+
+def quantize_operand(t: torch.Tensor, fp8_dtype: torch.dtype, dim: int, size: int, qparams: QParams, *, rows: bool,
+                     cols: bool) -> tuple[BlockQuantized | None, BlockQuantized | None]:
+    """A GEMM operand t [R, C] quantized for what uses it, in one cast (one read of t on the GPU):
+    (t for a GEMM summing over its columns: data [R, C]; t for one summing over its rows, in
+    transposed form: data [C, R]), each only when asked. dim 2: size x size blocks, whose one
+    quantization serves both (the second is its exact transpose); dim 1: 1 x size blocks along
+    each direction, each computed from t."""
+    square = dim == 2
+    data, scale_inv, data_t, scale_inv_t = block_cast_to_fp8(
+        t, fp8_dtype, size, square=square, rows=rows, cols=cols, power_2_scale=qparams.power_2_scale,
+        amax_epsilon=qparams.amax_epsilon)
+    block = (size, size) if square else (1, size)
+    return (BlockQuantized(data, scale_inv, block) if rows else None,
+            BlockQuantized(data_t, scale_inv_t, block) if cols else None)
 
 
 def as_rows_of_transpose(q: BlockQuantized) -> BlockQuantized:
     """The same quantized values as the transpose [C, R], blocks (bc, br): exact (the FP8 data is
-    transposed, nothing is quantized again). Used for a tensor quantized along its columns (blocks
-    (128, 1)) that a GEMM takes with the contraction along its rows, and for 128 x 128 blocks."""
+    transposed, nothing is quantized again)."""
     br, bc = q.block
     return BlockQuantized(q.data.t().contiguous(), q.scale_inv.t().contiguous(), (bc, br))
 
@@ -157,4 +136,4 @@ def dequantize(q: BlockQuantized) -> torch.Tensor:
 
 
 __all__ = ["BlockQuantized", "FP32_MAX", "as_rows_of_transpose", "compute_scale", "current_scale", "dequantize",
-           "quantize_blocks", "tensor_amax"]
+           "quantize_blocks", "quantize_operand", "tensor_amax"]
