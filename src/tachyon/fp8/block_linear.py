@@ -43,10 +43,12 @@ class _FP8BlockLinear(torch.autograd.Function):
     """x [M, K] @ weight [N, K].T (+ bias [N]) with block-scaled FP8 operands (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scaling: GemmScaling, settings: AutocastSettings, is_first_microbatch):
+    def forward(ctx, x, weight, bias, scaling: GemmScaling, settings: AutocastSettings, is_first_microbatch,
+                grad_enabled: bool):
         recipe = settings.recipe
         fp8_dtype, size = recipe.fp8_format.forward_dtype, recipe.block_size
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # a forward without autograd (evaluation) quantizes for its own GEMM only
+        need_dx, need_dw = ctx.needs_input_grad[0] and grad_enabled, ctx.needs_input_grad[1] and grad_enabled
         xq, xq_t = quantize_operand(x, fp8_dtype, recipe.block_dim("input"), size, recipe.fp8_quant_fwd_inp,
                                      rows=True, cols=need_dw)
         replay = replay_call(scaling)
@@ -96,14 +98,14 @@ class _FP8BlockLinear(torch.autograd.Function):
             dw = block_gemm(gq_t, BlockQuantized(x_data, x_scale, ctx.x_block), ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = grad_out.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scaling: GemmScaling,
                      settings: AutocastSettings, is_first_microbatch: bool | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T + bias under the autocast's block recipe; [M, N] in x's dtype.
     Called by :func:`tachyon.fp8.fp8_linear`, which has checked the arguments."""
-    return _FP8BlockLinear.apply(x, weight, bias, scaling, settings, is_first_microbatch)
+    return _FP8BlockLinear.apply(x, weight, bias, scaling, settings, is_first_microbatch, torch.is_grad_enabled())
 
 
 __all__ = ["block_fp8_linear"]
