@@ -22,6 +22,9 @@ from tachyon.fp8.gemm import check_fp8_dims
 from tachyon.fp8.quantize import BlockQuantized, dequantize
 
 _SUPPORT: dict[tuple, tuple[bool, str]] = {}
+NATIVE_MULTIPLE = 128
+"""The blockwise torch._scaled_mm runs GEMMs whose M, N and K are multiples of this (whole
+blocks, as the probe's); others are emulated."""
 
 
 def _native_scales(a: BlockQuantized, b: BlockQuantized) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +51,8 @@ def block_gemm_support(device: torch.device, a_block: tuple[int, int], b_block: 
     """(runs natively, what runs and why) for this pair of operand blocks and FP8 dtypes on
     ``device``. On CUDA devices of compute capability >= 9.0 torch._scaled_mm is tried once on a
     256 x 256 x 256 GEMM of zeros (outside CUDA-graph capture: ``tachyon.autocast`` does it when it
-    opens); the answer is cached."""
+    opens, :func:`probe`); the answer is cached. GEMMs whose sizes are not multiples of 128 are
+    emulated whatever the answer (:data:`NATIVE_MULTIPLE`)."""
     device = torch.device(device)
     if device.type != "cuda":
         return False, f"emulated on {device.type}: dequantized operands, fp32 matmul"
@@ -86,6 +90,28 @@ def block_gemm_support(device: torch.device, a_block: tuple[int, int], b_block: 
     return answer
 
 
+def block_pairs(recipe) -> dict[str, tuple[tuple[int, int], tuple[int, int], torch.dtype, torch.dtype]]:
+    """The three GEMMs of a block recipe: {"fprop", "dgrad", "wgrad"} -> (a's blocks, b's
+    blocks, a's FP8 dtype, b's FP8 dtype), as tachyon.fp8.block_linear runs them."""
+    size = recipe.block_size
+    blocks = {role: (size, size) if recipe.block_dim(role) == 2 else (1, size)
+              for role in ("input", "weight", "grad_output")}
+    fwd, bwd = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
+    return {"fprop": (blocks["input"], blocks["weight"], fwd, fwd),
+            "dgrad": (blocks["grad_output"], blocks["weight"], bwd, fwd),
+            "wgrad": (blocks["grad_output"], blocks["input"], bwd, fwd)}
+
+
+def probe(recipe, device: torch.device | None = None) -> dict[str, tuple[bool, str]]:
+    """:func:`block_gemm_support` for each GEMM of a block recipe on ``device`` (default: the
+    current CUDA device): tries the blockwise torch._scaled_mm before it is needed (what
+    ``tachyon.autocast`` does when it opens with a block recipe on a GPU, so that a later CUDA-graph
+    capture finds the answer cached)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return {name: block_gemm_support(device, a, b, da, db) for name, (a, b, da, db) in block_pairs(recipe).items()}
+
+
 def block_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype, *, native: bool | None = None) -> torch.Tensor:
     """out [M, N] = dequantize(a) @ dequantize(b).T in ``out_dtype`` (module docstring).
 
@@ -97,9 +123,13 @@ def block_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype, *, 
     if a.block[1] != b.block[1] or a.block[0] not in (1, a.block[1]) or b.block[0] not in (1, b.block[1]):
         raise ValueError(f"block_gemm: blocks {a.block} and {b.block} do not both run along K with one size")
     m, k = a.shape
-    check_fp8_dims("block_gemm", M=m, N=b.shape[0], K=k)
+    n = b.shape[0]
+    check_fp8_dims("block_gemm", M=m, N=n, K=k)
     if native is None or native:
         supported, reason = block_gemm_support(a.device, a.block, b.block, a.dtype, b.dtype)
+        if supported and (m % NATIVE_MULTIPLE or n % NATIVE_MULTIPLE or k % NATIVE_MULTIPLE):
+            supported, reason = False, (f"emulated: M={m}, N={n}, K={k} are not all multiples of {NATIVE_MULTIPLE} "
+                                        "(the shapes the blockwise torch._scaled_mm probe covers)")
         if native and not supported:
             raise ValueError(f"block_gemm: native=True, but {reason}")
         native = supported

@@ -141,6 +141,10 @@ def _check_arguments(enabled, calibrating, recipe, graph) -> Recipe:
         runs, why = recipe_support(recipe)
         if not runs:
             raise RuntimeError(f"autocast: {why}")
+        if recipe.blockwise and torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():
+            from tachyon.fp8.block_gemm import probe
+
+            probe(recipe)  # cached after the first time: whether the blockwise torch._scaled_mm runs here
     return recipe
 
 

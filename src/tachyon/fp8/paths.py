@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tachyon.fp8.context import recipe_support
-from tachyon.fp8.block_gemm import block_gemm_support
+from tachyon.fp8.block_gemm import NATIVE_MULTIPLE, block_gemm_support, block_pairs
 from tachyon.fp8.gemm import native_fp8_supported
 from tachyon.fp8.recipe import Float8BlockScaling, MXFP8BlockScaling
 
@@ -26,17 +26,12 @@ def _per_tensor(device: torch.device) -> str:
 
 def _block(recipe, device: torch.device) -> str:
     """One line for the three GEMMs of a block recipe (their block pairs differ)."""
-    size = recipe.block_size
-    blocks = {role: (size, size) if recipe.block_dim(role) == 2 else (1, size) for role in ("input", "weight", "grad_output")}
-    fwd, bwd = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
-    gemms = {"fprop": (blocks["input"], blocks["weight"], fwd, fwd),
-             "dgrad": (blocks["grad_output"], blocks["weight"], bwd, fwd),
-             "wgrad": (blocks["grad_output"], blocks["input"], bwd, fwd)}
-    answers = {name: block_gemm_support(device, a, b, da, db) for name, (a, b, da, db) in gemms.items()}
+    answers = {name: block_gemm_support(device, a, b, da, db) for name, (a, b, da, db) in block_pairs(recipe).items()}
     reasons = {reason for _, reason in answers.values()}
-    if len(reasons) == 1:
-        return reasons.pop()
-    return "; ".join(f"{name} {reason}" for name, (_, reason) in answers.items())
+    line = reasons.pop() if len(reasons) == 1 else "; ".join(f"{name} {reason}" for name, (_, reason) in answers.items())
+    if any(runs for runs, _ in answers.values()):
+        line += f" (GEMMs whose sizes are all multiples of {NATIVE_MULTIPLE}; others emulated)"
+    return line
 
 
 def gemm_paths(device: torch.device | str | None = None) -> dict[str, tuple[bool, str]]:
