@@ -86,3 +86,23 @@ def test_compiles_without_graph_breaks():
 def test_bad_input_raises(call, message):
     with pytest.raises(ValueError, match=message):
         call(torch.randn(16, 32))
+
+
+@requires_triton
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_scale_from_amax_kernel_is_the_reference_on_edge_amaxes():
+    """Per-tensor current scaling's scale in one launch: the same bits as the PyTorch rule for
+    amaxes of 0, inf, NaN, fp32 subnormals, and ordinary values, with and without power-of-2
+    scales and epsilon, for both FP8 maxima."""
+    from tachyon.kernels.fp8_block_cast import scale_from_amax
+
+    for amax in [0.0, float("inf"), float("nan"), 1e-45, 1e-40, 5e-4, 3.0, 447.0, 1e4, 3e38]:
+        for fp8_max in (448.0, 57344.0):
+            for pow2, eps in ((False, 0.0), (True, 0.0), (False, 1e-3)):
+                t = torch.tensor(amax)
+                want = scale_from_amax(t, fp8_max, power_2_scale=pow2, amax_epsilon=eps, backend="torch")
+                got = scale_from_amax(t, fp8_max, power_2_scale=pow2, amax_epsilon=eps, backend="triton")
+                for g, w in zip(got, want):
+                    assert g.shape == () and torch.equal(g.view(torch.int32), w.view(torch.int32)), (amax, fp8_max, pow2, eps)
+    with pytest.raises(ValueError, match="amax must be a 0-dim float32 tensor"):
+        scale_from_amax(torch.ones(2), 448.0)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from tachyon.fp8.recipe import FP8_MAX, QParams
-from tachyon.kernels.fp8_block_cast import block_cast_to_fp8
+from tachyon.kernels.fp8_block_cast import block_cast_to_fp8, scale_from_amax
 from tachyon.kernels.fp8_block_cast.reference import FP32_MAX, block_scale
 from tachyon.kernels.fp8_block_cast.reference import quantize as _quantize
 
@@ -51,9 +51,10 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def current_scale(x: torch.Tensor, fp8_max: float, qparams: QParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, scale_inv) of x under per-tensor current scaling: 0-dim fp32 on x's device."""
-    scale = compute_scale(tensor_amax(x), fp8_max, qparams)
-    return scale, scale.reciprocal()
+    """(scale, scale_inv) of x under per-tensor current scaling: 0-dim fp32 on x's device. Two
+    launches on a GPU: the amax reduction and one small kernel for the scale (the Triton backend)."""
+    return scale_from_amax(tensor_amax(x), fp8_max, power_2_scale=qparams.power_2_scale,
+                           amax_epsilon=qparams.amax_epsilon)
 
 
 class BlockQuantized:

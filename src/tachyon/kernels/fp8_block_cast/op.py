@@ -47,6 +47,35 @@ def _(x, fp8_dtype, block_size, square, rows, cols, power_2_scale, amax_epsilon,
     return data, scale_inv, data_t, scale_inv_t
 
 
+@fused_op("tachyon::fp8_scale_from_amax", mutates_args=())
+def _fp8_scale_from_amax(amax: Tensor, fp8_max: float, power_2_scale: bool, amax_epsilon: float,
+                         value_for_inf: float, backend: str) -> tuple[Tensor, Tensor]:
+    if backend == "triton":
+        from tachyon.kernels.fp8_block_cast import triton as tri
+
+        return tri.scale_from_amax(amax, fp8_max, power_2_scale, amax_epsilon, value_for_inf)
+    scale = reference.block_scale(amax, fp8_max, power_2_scale, amax_epsilon, value_for_inf)
+    return scale, scale.reciprocal()
+
+
+@_fp8_scale_from_amax.register_fake
+def _(amax, fp8_max, power_2_scale, amax_epsilon, value_for_inf, backend):
+    return amax.new_empty(()), amax.new_empty(())
+
+
+def scale_from_amax(amax: Tensor, fp8_max: float, *, power_2_scale: bool = False, amax_epsilon: float = 0.0,
+                    value_for_inf: float = reference.FP32_MAX, backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """(scale, scale_inv) of a 0-dim fp32 amax by Transformer Engine's rule (reference.block_scale):
+    per-tensor current scaling's scale, one launch on the Triton backend (about eight small ops
+    on the PyTorch one). Returns two fp32 0-dim tensors on amax's device; no autograd."""
+    if not isinstance(amax, Tensor) or amax.dim() != 0 or amax.dtype != torch.float32:
+        raise ValueError(f"scale_from_amax: amax must be a 0-dim float32 tensor; got {amax!r}")
+    if not amax_epsilon >= 0:
+        raise ValueError(f"scale_from_amax: amax_epsilon must be >= 0; got {amax_epsilon!r}")
+    return _fp8_scale_from_amax(amax.detach(), float(fp8_max), bool(power_2_scale), float(amax_epsilon),
+                                float(value_for_inf), resolve(amax, backend))
+
+
 def block_cast_to_fp8(
     x: Tensor, fp8_dtype: torch.dtype, block_size: int = 128, *, square: bool = False, rows: bool = True,
     cols: bool = False, power_2_scale: bool = True, amax_epsilon: float = 0.0, backend: str | None = None,
@@ -74,4 +103,4 @@ def block_cast_to_fp8(
                            bool(power_2_scale), float(amax_epsilon), chosen)
 
 
-__all__ = ["BLOCK_SIZES", "block_cast_to_fp8"]
+__all__ = ["BLOCK_SIZES", "block_cast_to_fp8", "scale_from_amax"]

@@ -80,6 +80,25 @@ def _block_cast_kernel(
                      mask=col_ok)
 
 
+@triton.jit
+def _scale_from_amax_kernel(AMAX, SCALE, SCALE_INV, FP8_MAX: tl.constexpr, EPS: tl.constexpr, VFI: tl.constexpr,
+                            POW2: tl.constexpr):
+    """One program: scale and 1 / scale of the 0-dim fp32 amax (per-tensor current scaling)."""
+    scale = _scale_of(tl.load(AMAX), FP8_MAX, EPS, VFI, POW2)
+    tl.store(SCALE, scale)
+    tl.store(SCALE_INV, tl.div_rn(1.0, scale))
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_max: float, power_2_scale: bool, amax_epsilon: float,
+                    value_for_inf: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, scale_inv), fp32 0-dim, of the fp32 0-dim ``amax`` in one launch."""
+    scale = torch.empty((), dtype=torch.float32, device=amax.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=amax.device)
+    _scale_from_amax_kernel[(1,)](amax, scale, scale_inv, FP8_MAX=fp8_max, EPS=_fp32(amax_epsilon), VFI=value_for_inf,
+                                  POW2=power_2_scale, num_warps=1)
+    return scale, scale_inv
+
+
 def _fp32(value: float) -> float:
     return torch.tensor(value, dtype=torch.float32).item()
 
