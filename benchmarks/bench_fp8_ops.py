@@ -120,18 +120,22 @@ def on_path(path: str):
         with tachyon.use_backend("triton"):
             yield
         return
-    real = block_op._fp8_block_cast
+    real = block_op._fp8_block_cast, block_op._fp8_scale_from_amax
 
-    def inline(x, fp8_dtype, size, square, rows, cols, pow2, eps, backend):
+    def inline_cast(x, fp8_dtype, size, square, rows, cols, pow2, eps, backend):
         return reference.block_cast(x, fp8_dtype, size, square=square, rows=rows, cols=cols, power_2_scale=pow2,
                                     amax_epsilon=eps)
 
-    block_op._fp8_block_cast = inline
+    def inline_scale(amax, fp8_max, pow2, eps, value_for_inf, backend):
+        scale = reference.block_scale(amax, fp8_max, pow2, eps, value_for_inf)
+        return scale, scale.reciprocal()
+
+    block_op._fp8_block_cast, block_op._fp8_scale_from_amax = inline_cast, inline_scale
     try:
         with tachyon.use_backend("torch"):
             yield
     finally:
-        block_op._fp8_block_cast = real
+        block_op._fp8_block_cast, block_op._fp8_scale_from_amax = real
 
 
 def run(tokens: int, hidden: int, dtype: torch.dtype, path: str = "torch") -> list[dict]:
