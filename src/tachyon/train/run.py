@@ -34,6 +34,8 @@ train until the engine's ``global_steps`` reaches ``config.steps``:
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import re
 import sys
@@ -331,15 +333,16 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
 
 
 def fp8_autocast(name: str | None):
-    """A factory of the autocast context each forward runs in: TrainConfig.fp8's recipe (delayed
-    scaling's amaxes all-reduced over every process), or no FP8 (an autocast that is disabled)."""
+    """A factory of the context each forward runs in: tachyon.autocast under TrainConfig.fp8's
+    recipe (delayed scaling's amaxes all-reduced over every process), or none without FP8."""
+    if name is None:
+        return contextlib.nullcontext
     from tachyon.fp8 import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
-    recipes = {None: None, "delayed": DelayedScaling(amax_history_len=16, amax_compute_algo="max"),
-               "current": Float8CurrentScaling(), "block": Float8BlockScaling()}
-    recipe = recipes[name]
-    group = torch.distributed.group.WORLD if recipe is not None and torch.distributed.is_initialized() else None
-    return lambda: tachyon.autocast(enabled=recipe is not None, recipe=recipe, amax_reduction_group=group)
+    recipe = {"delayed": DelayedScaling(amax_history_len=16, amax_compute_algo="max"),
+              "current": Float8CurrentScaling(), "block": Float8BlockScaling()}[name]
+    group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+    return lambda: tachyon.autocast(enabled=True, recipe=recipe, amax_reduction_group=group)
 
 
 def pipeline_model(config: TrainConfig, section: Any, gpt: torch.nn.Module, vocab_size: int, dtype: torch.dtype,
