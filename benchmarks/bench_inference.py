@@ -21,7 +21,7 @@ KV bytes per step / time as GB/s and as a fraction of the device copy bandwidth 
 same run. Goals (issue 12): >= 4x HF eager at batch 1 in fp16, >= 80% of copy bandwidth, INT8
 >= 1.7x tachyon fp16.
 
-Usage: python benchmarks/bench_inference.py [--cpu-only] [--quick] [--smoke]
+Usage: python benchmarks/bench_inference.py [--cpu-only | --gpu-only] [--quick] [--smoke]
   --quick: GPU part with a GPT-2 Large-size model (36 layers, hidden 1280) and 32 new tokens
   --smoke: the GPU part's code path on CPU with a toy model (a check that the script runs)
 """
@@ -228,8 +228,17 @@ def main() -> None:
     parser.add_argument("--cpu-only", action="store_true", help="only the CPU part")
     parser.add_argument("--quick", action="store_true", help="GPU part at GPT-2 Large size, 32 new tokens")
     parser.add_argument("--smoke", action="store_true", help="the GPU part's code path on CPU with a toy model")
+    parser.add_argument("--gpu-only", action="store_true", help="skip the CPU part (a GPU session's budget)")
     args = parser.parse_args()
     out = output_dir() / "inference.csv"
+    if args.gpu_only:
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu-only needs a CUDA device")
+        shape = LARGE if args.quick else XL
+        rows = latency(shape, 32 if args.quick else 64, False)
+        print_table(rows, title=f"per-token decode latency ({torch.cuda.get_device_name()}); {GOALS}")
+        write_csv(out, rows, "inference-latency")
+        return
     rows = correctness()
     print_table(rows, title="correctness vs HF (fp32, tiny random models)")
     write_csv(out, rows, "inference-correctness")

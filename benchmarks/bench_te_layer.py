@@ -10,6 +10,7 @@ Shape (the tutorial's): hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4, sbh
     TransformerLayer+FP8 (<recipe>)  the same inside tachyon.autocast, one row per FP8 recipe (--recipe):
                         delayed (DelayedScaling(HYBRID, amax history 16, "max"), the tutorial's),
                         current (Float8CurrentScaling()), block (Float8BlockScaling()); bf16 only
+    ... graphed           TransformerLayer (and each +FP8 row) captured by tachyon.make_graphed_callables (GPU only)
     torch.compile       torch.compile(BasicTransformerLayer)
 
 FLOPs counted per forward (T = seq * batch tokens, h hidden, f ffn): the GEMMs 2 T h (4 h + 2 f)
@@ -147,15 +148,29 @@ def build_variants(shape: dict, dtype: torch.dtype, device: str,
     def fp8_ctx(name):
         return lambda: tachyon.autocast(enabled=True, recipe=fp8_recipe(name))
 
+    def graphed(build_module, ctx=contextlib.nullcontext, **fp8):
+        def build():
+            import tachyon
+
+            module = build_module().to(device=device, dtype=dtype).train()
+            if device != "cuda":
+                return module, ctx
+            x = torch.randn(shape["seq"], shape["batch"], h, device=device, dtype=dtype, requires_grad=True)
+            return tachyon.make_graphed_callables(module, (x,), **fp8), contextlib.nullcontext
+        return build
+
     variants = {
         "torch.nn": make(lambda: BasicTransformerLayer(h, f, heads)),
         "+tachyon Linear/LN": make(lambda: BasicTransformerLayer(h, f, heads, linear=tnn.Linear, layernorm=tnn.LayerNorm)),
         "+LayerNormLinear/MLP": make(lambda: FusedTransformerLayer(h, f, heads)),
         "TransformerLayer": make(te_layer),
     }
+    variants["TransformerLayer graphed"] = graphed(te_layer)
     if dtype == torch.bfloat16:
         for name in recipes:
             variants[f"TransformerLayer+FP8 ({name})"] = make(te_layer, fp8_ctx(name))
+            variants[f"TransformerLayer+FP8 ({name}) graphed"] = graphed(
+                te_layer, fp8_ctx(name), fp8_enabled=True, fp8_recipe=fp8_recipe(name))
     # on CPU (the smoke run) the inductor backend would need a C++ compiler
     compile_kwargs = {} if device == "cuda" else {"backend": "aot_eager"}
     variants["torch.compile"] = make(lambda: torch.compile(BasicTransformerLayer(h, f, heads), **compile_kwargs))

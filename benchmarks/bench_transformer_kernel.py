@@ -4,7 +4,8 @@ GPU (default): one BERT-Large layer (hidden 1024, 16 heads, ffn 4096) at seq 128
 seq 512 batch 16, fp16 and bf16, forward and forward+backward: tachyon post-LN and pre-LN (and
 pre-LN with ``stochastic_mode=True``: the attention backward accumulates dQ with atomics; its
 forward is the same, so it is timed for forward+backward only) vs HF BertLayer in eager PyTorch
-(SDPA attention) vs torch.compile(HF BertLayer) vs torch.compile(tachyon pre-LN). Reports median ms
+(SDPA attention) vs torch.compile(HF BertLayer) vs torch.compile(tachyon pre-LN), and the pre-LN layer
+captured with ``tachyon.make_graphed_callables`` (its forward and backward replayed). Reports median ms
 (p20, p80), TFLOP/s, the fraction of the measured matmul rate, and peak memory. Then the largest
 micro-batch of a 24-layer BERT-Large stack (fp16, forward+backward) for every memory-flag
 setting and for HF, by binary search with OOM catching (the seed tutorial's table).
@@ -138,6 +139,11 @@ def speed_rows(quick: bool) -> list[dict]:
             mask = torch.ones(batch, seq, device=DEVICE, dtype=torch.long)
             mask[batch // 2:, seq * 3 // 4:] = 0  # half the batch padded by a quarter
             ext = (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+            if DEVICE == "cuda":  # the pre-LN layer's forward and backward replayed from CUDA graphs
+                import tachyon
+
+                variants["tachyon pre-LN graphed"] = tachyon.make_graphed_callables(
+                    TransformerKernelLayer(kernel_config(batch, seq, dtype, True)).to(DEVICE), (x, mask))
             dy = torch.randn_like(x)
             for name, module in variants.items():
                 m = mask if name.startswith("tachyon") else ext

@@ -24,6 +24,7 @@ _LAZY = {
     "autocast": "tachyon.fp8",
     "fp8_autocast": "tachyon.fp8",
     "init_inference": "tachyon.inference",
+    "make_graphed_callables": "tachyon.cuda_graphs",
 }
 # public module name -> the module itself
 _LAZY_MODULES = {"checkpointing": "tachyon.engine.activation_checkpointing", "profiling": "tachyon.profiling"}

@@ -77,6 +77,10 @@ def _probe_triton() -> tuple[str | None, bool]:
 # plain constants, so torch.compile reads them without tracing into triton.
 _TRITON_ERROR, _TRITON_INTERPRETING = _probe_triton()
 
+# Set by `tachyon.profiling.launch_stub.StubLaunches`: CPU tensors take the GPU (Triton) path, whose
+# launches are stubbed, so its host time can be measured on a machine without a GPU.
+_launch_stub = False
+
 
 def triton_import_error() -> str | None:
     """None when Triton imports, else the reason it does not."""
@@ -98,11 +102,11 @@ def resolve(tensor: torch.Tensor, backend: str | None = None) -> str:
     if name == "torch":
         return "torch"
     if name == "auto":
-        return "triton" if tensor.is_cuda and triton_import_error() is None else "torch"
+        return "triton" if (tensor.is_cuda or _launch_stub) and _TRITON_ERROR is None else "torch"
     reason = triton_import_error()
     if reason is not None:
         raise ValueError(f"backend='triton' was requested but {reason}")
-    if not tensor.is_cuda and not triton_interpreting():
+    if not tensor.is_cuda and not triton_interpreting() and not _launch_stub:
         raise ValueError(
             f"backend='triton' was requested for a tensor on {tensor.device}; Triton runs on CUDA "
             "tensors, or on CPU tensors only under its interpreter (TRITON_INTERPRET=1 set before "

@@ -20,7 +20,7 @@ def test_top_level_names_are_tachyons_own_objects():
 
     assert deepspeed.initialize is tachyon.initialize
     assert deepspeed.DeepSpeedEngine is tachyon.Engine
-    assert deepspeed.init_distributed is tachyon.init_distributed
+    assert deepspeed.init_distributed is deepspeed.comm.init_distributed  # DeepSpeed's signature over tachyon's
     assert deepspeed.DeepSpeedTransformerLayer is tnn.TransformerKernelLayer
     assert issubclass(deepspeed.DeepSpeedTransformerConfig, tnn.TransformerKernelConfig)
     assert deepspeed.checkpointing is tachyon.checkpointing
@@ -100,7 +100,8 @@ def test_pipeline_names_are_tachyons_pipeline():
     import tachyon.parallel.pipeline as pipeline
     from tachyon.compat.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-    assert deepspeed.pipe.PipelineModule is PipelineModule is pipeline.PipelineModule
+    assert deepspeed.pipe.PipelineModule is PipelineModule is deepspeed.PipelineModule
+    assert issubclass(PipelineModule, pipeline.PipelineModule)  # loss_fn optional, ProcessTopology accepted
     assert LayerSpec is pipeline.LayerSpec and TiedLayerSpec is pipeline.TiedLayerSpec
 
 
@@ -112,8 +113,6 @@ def test_lazy_names_pick_up_a_feature_as_soon_as_its_module_exists(monkeypatch):
 
     fake.PipelineModule, fake.LayerSpec = PipelineModule, object()
     monkeypatch.setitem(sys.modules, "tachyon.parallel.pipeline", fake)
-    assert deepspeed.pipe.PipelineModule is PipelineModule
-    assert deepspeed.PipelineModule is PipelineModule
     assert deepspeed.pipe.LayerSpec is fake.LayerSpec
 
 
@@ -173,7 +172,13 @@ def test_comm_maps_tachyons_startup_and_torchs_collectives():
 
     from tachyon.parallel import distributed as tdist
 
-    assert deepspeed.comm.init_distributed is tdist.init_distributed
+    import inspect
+
+    assert list(inspect.signature(deepspeed.comm.init_distributed).parameters) == [
+        "dist_backend", "auto_mpi_discovery", "distributed_port", "verbose", "timeout", "init_method",
+        "dist_init_required", "config", "rank", "world_size"]  # DeepSpeed's order, over tachyon's
+    deepspeed.comm.init_distributed(dist_init_required=False)  # DeepSpeed's "do not start one"
+    assert not dist.is_initialized()
     assert deepspeed.comm.get_rank is tdist.get_rank and deepspeed.comm.new_group is tdist.new_group
     assert deepspeed.comm.all_reduce is dist.all_reduce and deepspeed.comm.ReduceOp is dist.ReduceOp
     assert deepspeed.comm.get_world_size() == 1 and deepspeed.comm.get_rank() == 0

@@ -48,8 +48,23 @@ def test_missing_file(tmp_path):
 
 def test_invalid_json_names_line_and_column(tmp_path):
     path = tmp_path / "bad.json"
-    path.write_text('{\n  "train_batch_size": 8,\n}\n')
-    with pytest.raises(ConfigError, match=r"bad\.json:3:1: invalid JSON"):
+    path.write_text('{\n  "train_batch_size": 8,\n  ]\n}\n')
+    with pytest.raises(ConfigError, match=r"bad\.json:3:3: invalid JSON \(and invalid Hjson"):
+        load_config(path)
+
+
+def test_hjson_config_files_load_as_deepspeed_reads_them(tmp_path):
+    """DeepSpeed reads config files with hjson: comments, trailing commas, unquoted keys and
+    quoteless values load; a duplicate key is still refused."""
+    path = tmp_path / "ds.json"
+    path.write_text(
+        "# a DeepSpeed config\n{\n  train_batch_size: 8  // global batch\n"
+        "  optimizer: {\n    type: Adam\n    params: {lr: 1e-3,}\n  },\n  /* precision */ 'bf16': {enabled: true},\n}\n")
+    config = load_config(path, world_size=2)
+    assert config.train_batch_size == 8 and config.optimizer.type == "Adam" and config.bf16.enabled
+    assert config.train_micro_batch_size_per_gpu == 4
+    path.write_text("{train_batch_size: 8\n train_batch_size: 4}")
+    with raises("duplicate key 'train_batch_size'"):
         load_config(path)
 
 
@@ -109,7 +124,8 @@ def test_defaults_match_deepspeed():
         "min_loss_scale": 1.0,
     }  # fmt: skip
     assert config.fp16.dynamic_loss_scale
-    assert config.bf16.model_dump() == {"enabled": False}
+    # check_grad_overflow is on here (off in DeepSpeed): a nan/inf step is skipped in every precision
+    assert config.bf16.model_dump() == {"enabled": False, "check_grad_overflow": True}
     assert config.zero_optimization.model_dump() == {
         "stage": 0, "contiguous_gradients": True, "reduce_scatter": True,
         "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
@@ -117,7 +133,7 @@ def test_defaults_match_deepspeed():
     }  # fmt: skip
     assert config.data_types.grad_accum_dtype is None
     assert config.checkpoint.model_dump() == {
-        "tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False,
+        "tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False, "allow_nonfinite": False,
     }  # fmt: skip
     assert config.activation_checkpointing.model_dump() == {
         "partition_activations": False, "cpu_checkpointing": False,
@@ -301,11 +317,35 @@ def test_bfloat16_is_an_alias_for_bf16():
         load_config(cfg(bf16={"enabled": True}, bfloat16={"enabled": True}))
 
 
-def test_grad_accum_dtype_must_be_fp32_or_training_precision():
+def test_grad_accum_dtype_must_be_fp32_or_training_precision_without_zero():
     ok = load_config(cfg(bf16={"enabled": True}, data_types={"grad_accum_dtype": "bf16"}))
     assert ok.data_types.grad_accum_dtype == "bf16"
-    with raises('`data_types.grad_accum_dtype: "fp16"` does not match the training precision "bf16"'):
+    with raises('`data_types.grad_accum_dtype: "fp16"` with "bf16" training and no ZeRO'):
         load_config(cfg(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp16"}))
+
+
+def test_fp16_hysteresis_is_deepspeeds_per_stage():
+    """DeepSpeed's fp16 optimizer without ZeRO halves at every overflow; its ZeRO optimizers spend
+    the hysteresis first."""
+    fp16 = {"enabled": True, "hysteresis": 3}
+    assert load_config(cfg(fp16=fp16)).fp16.hysteresis == 1
+    assert load_config(cfg(fp16=fp16)).ignored_keys == ("fp16.hysteresis",)
+    assert load_config(cfg(fp16=fp16, zero_optimization={"stage": 2})).fp16.hysteresis == 3
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("accum", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_every_grad_accum_dtype_starts_with_zero_as_in_deepspeed(stage, accum, precision):
+    """DeepSpeed's ZeRO-1/2 accept every (model dtype, grad_accum_dtype) pair; a pair other than
+    the model dtype or fp32 accumulates in the model dtype there, and is reported as ignored."""
+    sections = {} if precision == "fp32" else {precision: {"enabled": True}}
+    config = load_config(cfg(zero_optimization={"stage": stage}, data_types={"grad_accum_dtype": accum}, **sections))
+    if accum in ("fp32", precision):
+        assert config.data_types.grad_accum_dtype == accum and config.ignored_keys == ()
+    else:
+        assert config.data_types.grad_accum_dtype is None
+        assert config.ignored_keys == ("data_types.grad_accum_dtype",)
 
 
 def test_cpu_checkpointing_needs_partition_activations():
@@ -333,10 +373,12 @@ def test_offload_is_not_supported_yet(key):
     assert config.ignored_keys == (f"zero_optimization.{key}",)
 
 
-@pytest.mark.parametrize("key", ["stage3_max_live_parameters", "stage3_gather_16bit_weights_on_model_save"])
-def test_stage3_keys_are_not_supported_yet(key):
-    with raises(f"`zero_optimization.{key}` is a DeepSpeed feature tachyon does not support yet (ZeRO stage 3)"):
-        load_config(cfg(zero_optimization={"stage": 2, key: 1}))
+@pytest.mark.parametrize("key", ["stage3_max_live_parameters", "stage3_gather_16bit_weights_on_model_save",
+                                 "gather_16bit_weights_on_model_save", "max_live_parameters"])
+def test_stage3_knobs_are_accepted_and_ignored_below_stage_3(key):
+    """DeepSpeed reads them only at stage 3 (which tachyon refuses by the stage key itself)."""
+    config = load_config(cfg(zero_optimization={"stage": 2, key: 1}))
+    assert config.ignored_keys == (f"zero_optimization.{key}",)
 
 
 @pytest.mark.parametrize(
@@ -461,7 +503,7 @@ def test_round_trip_through_a_file(tmp_path):
 def test_ignored_keys_under_the_bfloat16_alias_round_trip():
     config = load_config(cfg(bfloat16={"enabled": True, "immediate_grad_update": True}))
     assert config.ignored_keys == ("bf16.immediate_grad_update",)
-    assert config.to_dict()["bf16"] == {"enabled": True, "immediate_grad_update": True}
+    assert config.to_dict()["bf16"] == {"enabled": True, "check_grad_overflow": True, "immediate_grad_update": True}
     assert load_config(config.to_dict()) == config
 
 

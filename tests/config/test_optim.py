@@ -52,8 +52,10 @@ def test_adam_w_mode_semantics():
     assert load({"type": "Adam"}).optimizer.params["adam_w_mode"] is True
     assert load({"type": "Adam", "params": {"adam_w_mode": False}}).optimizer.params["adam_w_mode"] is False
     assert load({"type": "AdamW"}).optimizer.params["adam_w_mode"] is True
-    with raises('`optimizer.params.adam_w_mode: false` contradicts `optimizer.type: "AdamW"`'):
-        load({"type": "AdamW", "params": {"adam_w_mode": False}})
+    # DeepSpeed: AdamW decouples whatever adam_w_mode says; the false is accepted and reported
+    config = load({"type": "AdamW", "params": {"adam_w_mode": False}})
+    assert config.optimizer.params["adam_w_mode"] is True
+    assert config.ignored_keys == ("optimizer.params.adam_w_mode",)
 
 
 def test_params_null_means_defaults():
@@ -124,7 +126,7 @@ def test_lamb_coeff_order():
 
 def test_registries_cover_the_canonical_names():
     assert set(OPTIMIZER_PARAMS) == {"Adam", "AdamW", "Lamb", "SGD", "OneBitAdam", "OneBitLamb"}
-    assert set(SCHEDULER_PARAMS) == {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"}
+    assert set(SCHEDULER_PARAMS) == {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"}
 
 
 # ---------------------------------------------------------------- scheduler
@@ -133,11 +135,15 @@ def test_registries_cover_the_canonical_names():
 def test_scheduler_defaults_match_deepspeed():
     warmup = load(scheduler={"type": "WarmupLR"}).scheduler.params
     assert warmup == {
-        "last_batch_iteration": -1, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
+        "last_batch_iteration": -1, "warmup_min_lr": 0.0, "warmup_max_lr": None,
         "warmup_num_steps": 1000, "warmup_type": "log",
-    }  # fmt: skip
+    }  # fmt: skip  (warmup_max_lr None: each param group warms up to its own lr, as DeepSpeed's WarmupLR)
     decay = load(scheduler={"type": "WarmupDecayLR", "params": {"total_num_steps": 10}}).scheduler
-    assert decay.params == {**warmup, "total_num_steps": 10}
+    assert decay.params == {**warmup, "warmup_max_lr": 0.001, "total_num_steps": 10}
+    assert load(scheduler={"type": "LRRangeTest"}).scheduler.params == {
+        "last_batch_iteration": -1, "lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 2000,
+        "lr_range_test_step_rate": 1.0, "lr_range_test_staircase": False,
+    }  # fmt: skip
     cosine = load(scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": 10}}).scheduler
     assert cosine.params == {
         "last_batch_iteration": -1, "total_num_steps": 10, "warmup_min_ratio": 0.0,
@@ -167,7 +173,8 @@ def test_scheduler_defaults_match_deepspeed():
          "`scheduler.params.cos_min_ratio` should be less than or equal to 1"),
         ({"type": "OneCycle", "params": {"cycle_min_lr": 1.0, "cycle_max_lr": 0.1}},
          "`scheduler.params.cycle_min_lr` (1.0) must not exceed `scheduler.params.cycle_max_lr` (0.1)"),
-        ({"type": "LRRangeTest"}, '`scheduler.type: "LRRangeTest"` is a DeepSpeed feature tachyon does not support yet'),
+        ({"type": "WarmupLR", "params": {"warmup_num_steps": 0}},
+         "`scheduler.params.warmup_num_steps` should be greater than 0"),
         ({"type": "WarmupCosine"}, '`scheduler.type` "WarmupCosine" is not known; did you mean "WarmupCosineLR"?'),
         ({"type": "WarmupLR", "params": []}, "`scheduler.params` should be a JSON object"),
     ],

@@ -97,7 +97,7 @@ def save_runs(root: str) -> dict:
         out["mismatch"] = str(error)
     out["mismatch_dir"] = os.path.exists(f"{root}/mismatch")
     engine.config.checkpoint.tag_validation = "Warn"  # logs, then every rank uses rank 0's tag
-    out["warn_path"] = engine.save_checkpoint(f"{root}/warned", tag=f"rank{rank}")
+    out["warn_saved"] = engine.save_checkpoint(f"{root}/warned", tag=f"rank{rank}")
     engine.config.checkpoint.use_node_local_storage = True  # one node: its disk is every rank's
     out["node_local"] = engine.load_checkpoint(f"{root}/warned")[0]
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # as if each rank were on its own node
@@ -202,7 +202,7 @@ def test_checkpoint_layout_and_tag_validation(saved):
     for rank_result in results:
         assert "ranks use different tags ['rank0', 'rank1']" in rank_result["mismatch"]
         assert not rank_result["mismatch_dir"], "a refused save must not create its directory"
-        assert rank_result["warn_path"] == str(root / "warned" / "rank0")
+        assert rank_result["warn_saved"] is True and (root / "warned" / "rank0" / "manifest.json").is_file()
         assert rank_result["node_local"] == str(root / "warned" / "rank0")
         assert "use_node_local_storage: true is supported only when all ranks run on one node" in rank_result["two_nodes"]
     assert not (root / "two_nodes").exists()

@@ -175,7 +175,7 @@ def test_get_last_lr_before_any_lr_raises():
 
 @pytest.mark.parametrize("make,match", [
     (lambda o: WarmupLR(o, warmup_type="cosine"), "warmup_type='cosine'"),
-    (lambda o: WarmupLR(o, warmup_num_steps=-1), "warmup_num_steps must be an int >= 0"),
+    (lambda o: WarmupLR(o, warmup_num_steps=-1), "warmup_num_steps must be an int >= 1"),
     (lambda o: WarmupLR(o, warmup_min_lr=[0.0, 0.1]), "warmup_min_lr has 2 values"),
     (lambda o: WarmupDecayLR(o, total_num_steps=0), "total_num_steps must be an int >= 1"),
     (lambda o: WarmupCosineLR(o, total_num_steps=10, cos_min_ratio=2.0), "cos_min_ratio"),
@@ -208,7 +208,71 @@ def test_build_scheduler_from_config(section, cls, lr_after_one_step):
 
 
 def test_build_scheduler_rejects():
-    with pytest.raises(ValueError, match="scheduler.type='LRRangeTest'"):
-        build_scheduler({"type": "LRRangeTest", "params": {}}, _adam())
+    with pytest.raises(ValueError, match="scheduler.type='LRFinder'"):
+        build_scheduler({"type": "LRFinder", "params": {}}, _adam())
     with pytest.raises(ValueError, match="scheduler.params.warmup_ratio is not a parameter of WarmupLR"):
         build_scheduler({"type": "WarmupLR", "params": {"warmup_ratio": 0.1}}, _adam())
+
+
+# ---------------------------------------------------------------- DeepSpeed's exact numerics
+
+
+def test_warmup_lr_without_max_warms_each_group_to_its_own_lr():
+    opt = FusedAdam([{"params": [torch.zeros(2, requires_grad=True)], "lr": 0.1},
+                     {"params": [torch.zeros(2, requires_grad=True)], "lr": 0.02}])
+    sched = WarmupLR(opt, warmup_num_steps=2, warmup_type="linear")
+    sched.step()
+    sched.step()
+    sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.02]
+
+
+def test_warmup_lr_from_the_config_warms_each_group_to_its_own_lr():
+    """Through tachyon.initialize: the config's WarmupLR without warmup_max_lr (DeepSpeed's None)."""
+    import tachyon
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    groups = [{"params": model[0].parameters(), "lr": 0.1}, {"params": model[1].parameters(), "lr": 0.02}]
+    config = {"train_batch_size": 1, "scheduler": {"type": "WarmupLR",
+                                                   "params": {"warmup_num_steps": 2, "warmup_type": "linear"}}}
+    engine, *_ = tachyon.initialize(model=model, model_parameters=groups, config=config,
+                                    optimizer=lambda g: torch.optim.SGD(g, lr=0.5))
+    for _ in range(3):
+        engine.lr_scheduler.step()
+    assert engine.get_lr() == [0.1, 0.02]
+
+
+def test_log_warmup_is_bit_identical_to_deepspeeds_expression():
+    """DeepSpeed: inverse_log_warm_up * log(i + 1) with inverse_log_warm_up = 1 / log(W)."""
+    import math
+
+    opt = _adam(lr=0.5)
+    sched = WarmupLR(opt, warmup_min_lr=0.001, warmup_max_lr=0.37, warmup_num_steps=1000)
+    inverse = 1.0 / math.log(1000)
+    for i in range(0, 999, 7):
+        sched.step(i)
+        assert opt.param_groups[0]["lr"] == 0.001 + (0.37 - 0.001) * (inverse * math.log(i + 1)), i
+
+
+def test_tensor_lrs_stay_tensors_filled_in_place():
+    lr = torch.tensor(0.1)
+    opt = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=lr)
+    for sched in (WarmupLR(opt, warmup_min_lr=0.01, warmup_max_lr=0.1, warmup_num_steps=4),
+                  WarmupCosineLR(opt, total_num_steps=10, warmup_num_steps=2),
+                  OneCycle(opt, cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_momentum=False)):
+        sched.step()
+        assert opt.param_groups[0]["lr"] is lr and torch.is_tensor(sched.get_last_lr()[0])
+    assert 0 < float(lr) < 0.1
+
+
+def test_lr_range_test_values():
+    from tachyon.engine.lr_schedules import LRRangeTest
+
+    opt = _adam()
+    sched = LRRangeTest(opt, lr_range_test_min_lr=0.01, lr_range_test_step_size=4, lr_range_test_step_rate=2.0)
+    assert opt.param_groups[0]["lr"] == 0.01
+    _check(_lrs_at(sched, [1, 3, 4]), [0.01 * (1 + 2.0 * 1 / 4), 0.01 * (1 + 2.0 * 3 / 4), 0.01 * (1 + 2.0)])
+    stairs = LRRangeTest(_adam(), lr_range_test_min_lr=0.01, lr_range_test_step_size=4, lr_range_test_staircase=True)
+    _check(_lrs_at(stairs, [1, 3, 4, 8]), [0.01, 0.01, 0.02, 0.03])
+    built = build_scheduler({"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 0.5}}, _adam())
+    assert isinstance(built, LRRangeTest) and built.optimizer.param_groups[0]["lr"] == 0.5

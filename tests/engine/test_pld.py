@@ -284,3 +284,14 @@ def test_a_model_whose_forward_cannot_take_the_pld_arguments_is_refused_before_a
         tachyon.initialize(model=model, config=config())
     # not moved into a flat ZeRO buffer, not changed
     assert all(torch.equal(b, p) and ptr == p.data_ptr() for (b, ptr), p in zip(before, model.parameters()))
+
+
+def test_theta_is_deepspeeds_numpy_expression_to_the_bit():
+    """DeepSpeed: (1. - p) * np.exp(-gamma * x) + p, evaluated with numpy's exp."""
+    np = pytest.importorskip("numpy")
+    from tachyon.engine.pld import ProgressiveLayerDrop
+
+    for theta, gamma in ((0.5, 0.001), (0.1, 0.0137), (0.9, 1e-4)):
+        pld = ProgressiveLayerDrop(theta, gamma)
+        for t in range(0, 5000, 13):
+            assert pld.theta_at(t) == (1.0 - theta) * np.exp(-gamma * t) + theta, (theta, gamma, t)

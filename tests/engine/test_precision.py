@@ -30,14 +30,39 @@ def _scales(scaler: DynamicLossScaler, overflows: list[bool]) -> list[float]:
     return out
 
 
+def _deepspeed_scales(init: float, window: int, overflows: list[bool]) -> list[float]:
+    """DeepSpeed's DynamicLossScaler.update_scale (hysteresis 1), step by step: a clean step doubles
+    when (cur_iter - last_overflow_iter) - 1 is positive and a multiple of the window."""
+    scale, cur_iter, last_overflow, out = init, 0, -1, []
+    for overflow in overflows:
+        if overflow:
+            scale, last_overflow = max(scale / 2, 1.0), cur_iter
+        elif (stable := cur_iter - last_overflow - 1) > 0 and stable % window == 0:
+            scale *= 2
+        cur_iter += 1
+        out.append(scale)
+    return out
+
+
 def test_dynamic_scale_doubles_after_each_window_of_clean_steps():
     scaler = DynamicLossScaler(init_scale=8.0, window=3, hysteresis=1)
-    assert _scales(scaler, [False] * 7) == [8, 8, 16, 16, 16, 32, 32]
+    assert _scales(scaler, [False] * 7) == [8, 8, 8, 16, 16, 16, 32] == _deepspeed_scales(8.0, 3, [False] * 7)
 
 
 def test_dynamic_scale_halves_on_overflow_without_hysteresis_and_restarts_the_window():
     scaler = DynamicLossScaler(init_scale=8.0, window=2, hysteresis=1)
-    assert _scales(scaler, [True, False, False, True, True, False, False]) == [4, 4, 8, 4, 2, 2, 4]
+    pattern = [True, False, False, True, True, False, False, False]
+    assert _scales(scaler, pattern) == [4, 4, 4, 2, 1, 1, 1, 2] == _deepspeed_scales(8.0, 2, pattern)
+
+
+def test_dynamic_scale_matches_deepspeeds_unit_test_some_overflow():
+    """DeepSpeed's test_dynamic_loss_scale.py::test_some_overflow: two overflows halve twice, then
+    window + 1 clean steps double once."""
+    scaler = DynamicLossScaler(init_scale=2.0**8, window=2, hysteresis=1)
+    _scales(scaler, [True, True])
+    assert scaler.scale == 2.0**6
+    _scales(scaler, [False, False, False])
+    assert scaler.scale == 2.0**7 and scaler.iteration == 5
 
 
 def test_hysteresis_counts_overflows_even_when_not_consecutive_by_default():
@@ -76,7 +101,8 @@ def test_bad_scaler_arguments():
 
 def test_build_precision_from_the_config():
     fp16 = build_precision(load_config({"train_batch_size": 1, "fp16": {"enabled": True, "initial_scale_power": 5,
-                                                                          "hysteresis": 3}}))
+                                                                          "hysteresis": 3},
+                                        "zero_optimization": {"stage": 1}}))
     assert isinstance(fp16, FP16Precision) and fp16.loss_scale == 32.0 and fp16.scaler.hysteresis == 3
     assert fp16.model_dtype == torch.float16 and fp16.grad_accum_dtype == torch.float16
     static = build_precision(load_config({"train_batch_size": 1, "fp16": {"enabled": True, "loss_scale": 128}}))
@@ -108,7 +134,11 @@ def test_fp16_unscale_and_check():
 def test_fp16_overflow_skips_the_step_bit_identically_single_process(stage):
     got = fp16_overflow_on_rank(stage, [False, True, True, False, False, False, False])
     scale = 2.0**FP16_SCALE_POWER
-    assert got["scales"] == [scale, scale, scale / 2, scale / 2, scale / 2, scale, scale]
+    # DeepSpeed doubles on the clean step after a full window of 3 clean steps: the 4th after the overflow.
+    # At ZeRO 1/2 the first overflow spends the hysteresis (2); without ZeRO every overflow halves.
+    expected = [scale, scale, scale / 2, scale / 2, scale / 2, scale / 2, scale] if stage else \
+        [scale, scale / 2, scale / 4, scale / 4, scale / 4, scale / 4, scale / 2]
+    assert got["scales"] == expected
     assert got["unchanged"] == [False, True, True, False, False, False, False]
     assert got["skipped_steps"] == 2 and got["global_steps"] == 7 and got["finite"]
 

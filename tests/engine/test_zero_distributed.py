@@ -202,7 +202,9 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(world, stage):
     scale = 2.0**FP16_SCALE_POWER
     for rank, result in enumerate(results):
         got = result["overflow"][stage]
-        assert got["scales"] == [scale, scale, scale / 2, scale / 2, scale / 2, scale, scale], (rank, got)
+        expected = [scale, scale, scale / 2, scale / 2, scale / 2, scale / 2, scale] if stage else \
+            [scale, scale / 2, scale / 4, scale / 4, scale / 4, scale / 4, scale / 2]  # no ZeRO: no hysteresis (DeepSpeed)
+        assert got["scales"] == expected, (rank, got)
         assert got["unchanged"][1] and got["unchanged"][2], f"rank {rank}: a skipped step changed state: {got}"
         assert not any(got["unchanged"][3:]), f"rank {rank}: clean steps did not update: {got}"
         assert got["skipped_steps"] == 2 and got["global_steps"] == len(INJECT)

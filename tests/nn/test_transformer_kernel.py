@@ -200,6 +200,25 @@ def test_every_mask_form_gives_the_same_result():
         assert_close(layer(x, mask), want, name=name)
 
 
+@pytest.mark.parametrize("name,make,match", [
+    ("additive -1e4 in [b, s]", lambda keep: (1.0 - keep.float()) * -1e4, "negative values: an additive mask"),
+    ("additive finfo.min in [b, s]", lambda keep: (1.0 - keep.float()) * torch.finfo(torch.float32).min,
+     "additive mask"),
+    ("0/2 long [b, s]", lambda keep: keep.long() * 2, "values 0 and 1"),
+    ("0/1 float keep mask in [b, 1, 1, s]", lambda keep: keep[:, None, None, :].float(), "0/1 values: a keep mask"),
+    ("positive additive [b, 1, 1, s]", lambda keep: keep[:, None, None, :].float() * 3.0, "no positive values"),
+    ("0/1 long in [b, 1, 1, s]", lambda keep: keep[:, None, None, :].long(), "must be float"),
+])
+def test_masks_read_by_the_wrong_convention_are_refused(name, make, match):
+    """A plausible mask whose values do not fit the convention of its shape is refused, naming it;
+    before, an additive [b, s] mask was read as a 0/1 keep mask (padding inverted) and a 0/1 float
+    [b, 1, 1, s] mask as an additive bias (padding not masked)."""
+    layer = randomize(TransformerKernelLayer(make_config(), backend="torch"))
+    keep = padding_mask(3, 11)
+    with pytest.raises(ValueError, match=match):
+        layer(torch.randn(3, 11, 32), make(keep))
+
+
 # --- dropout ----------------------------------------------------------------------------------
 
 def _site_masks(layer, batch, seq, call):

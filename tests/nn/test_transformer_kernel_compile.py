@@ -97,10 +97,14 @@ def test_next_dropout_seeds_advances_the_counter_and_gives_the_chain(backend):
     assert int(calls) == 10 and seen == [[_kernels.dropout_seed(1, 2, 10, site) for site in range(3)]]
 
 
-def test_layer_uses_the_documented_seeds_and_keeps_its_state_on_device(monkeypatch):
+@pytest.mark.parametrize("fused_eager", [True, False])
+def test_layer_uses_the_documented_seeds_and_keeps_its_state_on_device(monkeypatch, fused_eager):
     import copy
 
+    from tachyon.nn.transformer_kernel import fused
+
     layer = TransformerKernelLayer(_config(), backend="torch")
+    layer.fused_eager = fused_eager
     layer.layer_id = 9
     assert int(layer._dropout_key) == _kernels.dropout_key(layer.dropout_seed, 9), "setting layer_id refreshes the key"
     layer.dropout_seed = 77
@@ -110,13 +114,22 @@ def test_layer_uses_the_documented_seeds_and_keeps_its_state_on_device(monkeypat
     assert int(layer._dropout_key) == _kernels.dropout_key(77, 9), "the copy has its own buffers"
     layer.dropout_calls = 41
     seen = []
-    original = _kernels.attention_qkvpacked
+    if fused_eager:  # the one-node path calls the attention op's implementation: seed tensor is argument 9
+        original_impl = fused._packed_fwd_impl
 
-    def spy(*args, seed=None, **kwargs):
-        seen.append(seed)
-        return original(*args, seed=seed, **kwargs)
+        def spy_impl(*args):
+            seen.append(args[9])
+            return original_impl(*args)
 
-    monkeypatch.setattr(_kernels, "attention_qkvpacked", spy)
+        monkeypatch.setattr(fused, "_packed_fwd_impl", spy_impl)
+    else:
+        original = _kernels.attention_qkvpacked
+
+        def spy(*args, seed=None, **kwargs):
+            seen.append(seed)
+            return original(*args, seed=seed, **kwargs)
+
+        monkeypatch.setattr(_kernels, "attention_qkvpacked", spy)
     layer(torch.randn(BATCH, SEQ, HIDDEN))
     assert layer.dropout_calls == 42 and twin.dropout_calls == 0, "the copy has its own counter"
     (seed,) = seen

@@ -147,13 +147,94 @@ def test_hostfile_conflicts_with_nnodes(tmp_path):
         command(["--hostfile", write_hostfile(tmp_path, HOSTS), "--nnodes", "2", "t.py"])
 
 
-def test_run_returns_torchruns_exit_code(monkeypatch, capsys):
+def test_run_hands_the_command_to_run_torchrun(monkeypatch, tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("")
     calls = []
-    monkeypatch.setattr(launch.subprocess, "call", lambda cmd: calls.append(cmd) or 3)
-    assert main(["--nproc-per-node", "1", "t.py"]) == 3
-    assert calls == [[*TORCHRUN, "--nproc-per-node", "1", "--standalone", "t.py"]]
-    monkeypatch.setattr(launch.subprocess, "call", lambda cmd: -9)  # killed by SIGKILL
-    assert main(["--nproc-per-node", "1", "t.py"]) == 137
+    monkeypatch.setattr(launch, "run_torchrun", lambda cmd: calls.append(cmd) or 3)
+    assert main(["--nproc-per-node", "1", str(script)]) == 3
+    assert calls == [[*TORCHRUN, "--nproc-per-node", "1", "--standalone", str(script)]]
+
+
+def test_run_torchrun_returns_the_exit_code_or_the_shells_signal_convention():
+    assert launch.run_torchrun([sys.executable, "-c", "import sys; sys.exit(3)"]) == 3
+    assert launch.run_torchrun([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"]) == 137
+
+
+def test_a_missing_script_is_refused_before_torchrun_starts(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(launch, "run_torchrun", lambda cmd: pytest.fail("torchrun must not start"))
+    assert main(["--nproc-per-node", "2", str(tmp_path / "missing.py")]) == 2
+    assert f"script not found: {str(tmp_path / 'missing.py')!r}" in capsys.readouterr().err
+
+
+def _launch_and_signal(tmp_path, preemption: str, sig: int) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """tachyon launch of _signal_script.py on 2 ranks; once both ranks stepped 3 times, ``sig`` to
+    the launcher alone (its own session, so no terminal group gets it). Returns the launcher's
+    result and the workers' pids."""
+    import os
+    import signal
+    import time
+
+    script = REPO / "tests" / "parallel" / "_signal_script.py"
+    proc = subprocess.Popen([sys.executable, "-m", "tachyon.parallel.launch", "--nproc-per-node", "2", str(script),
+                             str(tmp_path), preemption], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    steps = [tmp_path / f"step_{r}" for r in (0, 1)]
+    while not all(p.is_file() and p.read_text().strip() and int(p.read_text()) >= 3 for p in steps):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"the job did not reach step 3 (exit {proc.returncode}):\n{out}\n{err}")
+        time.sleep(0.2)
+    pids = [int((tmp_path / f"pid_{r}").read_text()) for r in (0, 1)]
+    os.kill(proc.pid, sig)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        pytest.fail("the launcher did not return within 120 s of the signal")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), pids
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/status").is_file() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+
+
+@pytest.mark.distributed
+def test_sigterm_to_the_launcher_stops_every_worker_before_it_returns(tmp_path):
+    import signal
+
+    result, pids = _launch_and_signal(tmp_path, "off", signal.SIGTERM)
+    assert result.returncode == 143, f"exit {result.returncode}\n{result.stderr}"
+    assert "SIGTERM received: passing it to torchrun" in result.stderr
+    assert [pid for pid in pids if _alive(pid)] == [], "workers outlived the launcher"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # the in-process agreement and save are tests/engine/test_preemption.py (default run)
+def test_sigterm_with_preemption_saves_on_every_rank_and_the_launcher_reports_it(tmp_path):
+    import json
+    import signal
+
+    result, pids = _launch_and_signal(tmp_path, "on", signal.SIGTERM)
+    assert result.returncode == 75, f"exit {result.returncode}\n{result.stderr}"
+    assert [pid for pid in pids if _alive(pid)] == []
+    tag = (tmp_path / "ckpt" / "latest").read_text()
+    meta = json.loads((tmp_path / "ckpt" / tag / "meta.json").read_text())
+    assert tag == f"global_step{meta['global_steps']}" and meta["global_steps"] >= 3
+    # each rank recorded the step before the last: the last one raised Preempted inside engine.step()
+    assert {int((tmp_path / f"step_{r}").read_text()) for r in (0, 1)} == {meta["global_steps"] - 1}
+    assert f"the job stopped on SIGTERM after step {meta['global_steps']} and saved {tmp_path / 'ckpt' / tag}" \
+        in result.stderr, result.stderr
 
 
 @pytest.mark.distributed

@@ -117,6 +117,29 @@ def test_kernel_layers_and_sequence_parallel_outside_a_stack_are_refused():
         parallelize(Loose(), FAKE_TP2[0], sequence_parallel=True)
 
 
+def test_a_model_with_nothing_to_split_is_refused_naming_the_conversion():
+    """An unconverted HF GPT-2 would get only its tied embedding split (every layer whole on every
+    rank); it is refused with the conversion, before anything changes. So are HF BERT and a model
+    without any TransformerLayer (unless a plan names what to split)."""
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=64, n_positions=16))
+    before = _state(gpt2)
+    with pytest.raises(ValueError, match=r"'transformer.h.0' is an unconverted HF GPT2Block \(2 such layer\(s\)\).*"
+                                         r"model.transformer.h\[i\] = HFLayerAdapter.from_hf\(layer\)"):
+        parallelize(gpt2, FAKE_TP2[0])
+    assert all(torch.equal(before[k], v) for k, v in _state(gpt2).items()) and not any(shard_spec(p) for p in gpt2.parameters())
+    bert = BertModel(BertConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64,
+                                vocab_size=64))
+    with pytest.raises(ValueError, match="unconverted HF BertLayer .* BERT layers have no tensor-parallel form"):
+        parallelize(bert, FAKE_TP2[0])
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="has no tachyon.nn.TransformerLayer .* and the plan names no module to split"):
+        parallelize(mlp, FAKE_TP2[0])
+    assert parallelize(mlp, FAKE_TP2[0], plan={"0": "column", "1": "row"}) is mlp  # an explicit plan: split as asked
+    assert shard_spec(mlp[0].weight) is not None
+
+
 SHARDED = ("self_attention.layernorm_qkv.weight", "self_attention.layernorm_qkv.bias", "self_attention.proj.weight",
            "layernorm_mlp.fc1_weight", "layernorm_mlp.fc1_bias", "layernorm_mlp.fc2_weight", "token_embedding.weight")
 

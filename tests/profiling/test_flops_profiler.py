@@ -5,6 +5,8 @@ counted) and training goes on unchanged."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -219,3 +221,28 @@ def test_a_container_never_called_reports_its_childrens_sum(tmp_path):
     prof.print_model_profile(output_file=str(path))
     line = next(line for line in path.read_text().splitlines() if "(blocks): ModuleList" in line)
     assert f"{number_to_string(2 * 2 * ROWS * IN * IN)}FLOPs = 100.00% FLOPs" in line
+
+
+def test_engine_profile_of_deepspeeds_test_model_is_deepspeeds_count():
+    """DeepSpeed's tests/unit/profiling/flops_profiler: Linear(10, 10) + CrossEntropyLoss inside the
+    model's forward, batch 1: 200 FLOPs (the GEMM; the loss counts 0 as in DeepSpeed) and 110
+    parameters, read from engine.flops_profiler after the profiled step."""
+    import tachyon.compat.deepspeed as deepspeed
+
+    class SimpleModel(torch.nn.Module):
+        def __init__(self, hidden):
+            super().__init__()
+            self.linears = torch.nn.ModuleList([torch.nn.Linear(hidden, hidden)])
+            self.cross_entropy_loss = torch.nn.CrossEntropyLoss()
+
+        def forward(self, x, y):
+            return self.cross_entropy_loss(self.linears[0](x), y)
+
+    config = {"train_batch_size": 1, "steps_per_print": 100, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+              "flops_profiler": {"enabled": True, "step": 1, "module_depth": -1, "top_modules": 3,
+                                 "output_file": os.devnull}}
+    engine, *_ = deepspeed.initialize(config=config, model=SimpleModel(10))
+    for _ in range(3):
+        engine.backward(engine(torch.randn(1, 10), torch.randint(0, 10, (1,))))
+        engine.step()
+    assert engine.flops_profiler.flops == 200 and engine.flops_profiler.params == 110

@@ -3,9 +3,8 @@ and the command's argument handling (output dir, torchrun command, exit codes)."
 
 from __future__ import annotations
 
-import contextlib
-
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -122,6 +121,18 @@ def test_config_file_errors(tmp_path):
     bad.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
         load_train_config(bad)
+    bad.write_bytes('{"model": "bert", "output_dir": "r\u00e9sum\u00e9"}'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"bad\.json: not UTF-8 text \(byte \d+"):
+        load_train_config(bad)
+
+
+def test_engine_config_file_not_utf8_names_the_file(tmp_path):
+    from tachyon.config import load_config
+
+    path = tmp_path / "ds.json"
+    path.write_bytes('{"train_batch_size": 1, "x": "\u00e9"}'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"ds\.json: not UTF-8 text"):
+        load_config(path)
 
 
 def test_resolve_output_dir(tmp_path):
@@ -307,3 +318,18 @@ def test_fp8_recipe_option_is_checked_and_travels_to_the_ranks():
         assert context.settings.enabled and isinstance(context.recipe, cls)
     assert fp8_autocast("delayed")().recipe.amax_history_len == 16
     assert isinstance(fp8_autocast(None)(), contextlib.nullcontext)  # no FP8: nothing around the forwards
+
+
+def test_threads_follow_the_usable_cpus_not_the_host(monkeypatch, tmp_path):
+    """A container limited to 2 CPUs on a 64-core host: os.cpu_count() says 64, the job must use 2."""
+    import os
+
+    from tachyon.train import helpers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    quota = tmp_path / "cpu.max"
+    quota.write_text("200000 100000\n")
+    assert helpers.usable_cpus(quota) == 2
+    quota.write_text("max 100000\n")
+    assert helpers.usable_cpus(quota) == 64
+    assert helpers.usable_cpus(tmp_path / "absent") == 64

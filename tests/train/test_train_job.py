@@ -114,6 +114,20 @@ def test_resume_continues_from_the_saved_step_quietly(ci_run):
     summary = (output_dir / "summary.txt").read_text()
     assert f"steps: {RESUME_STEPS} of {RESUME_STEPS} (this run: {CI_STEPS + 1}-{RESUME_STEPS})" in summary
     assert f"global_step{RESUME_STEPS}" in summary
+    # the decaying schedule keeps the checkpoint's length unless --reschedule, and says so
+    assert f"note: steps {CI_STEPS} -> {RESUME_STEPS}: the lr schedule stays the checkpoint's (WarmupDecayLR over " \
+           f"{CI_STEPS} steps): step {CI_STEPS + 1} runs at lr 0" in summary, summary
+    assert all(r["lr"] == 0.0 for r in rows[CI_STEPS:])
+
+
+def test_resuming_a_finished_run_changes_nothing_and_says_so(ci_run):
+    output_dir, proc = ci_run
+    succeeded(proc)
+    files = {name: (output_dir / name).read_bytes() for name in ("metrics.csv", "validation.csv", "summary.txt")}
+    again = train_process(str(CI_CONFIG), "--output-dir", str(output_dir), "--resume", "--steps", str(CI_STEPS))
+    output = succeeded(again)
+    assert "already reached step" in output and "nothing to train, no file changed" in output, output[-2000:]
+    assert files == {name: (output_dir / name).read_bytes() for name in files}
 
 
 def test_gpt_prints_generated_lines(tmp_path):

@@ -98,18 +98,25 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int
     return compiled
 
 
-def compile_in_subprocess(script: str, expected: int, timeout: float = 300) -> str:
-    """Run ``script`` in a fresh Python without TRITON_INTERPRET; assert it exited 0 and printed
-    "compiled" ``expected`` times. Returns its stdout."""
+def run_without_interpreter(script: str, timeout: float = 300) -> str:
+    """Run ``script`` in a fresh Python without TRITON_INTERPRET (Triton's GPU code path, e.g. under
+    `tachyon.profiling.launch_stub.StubLaunches`); assert it exited 0 and return its stdout."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), str(_ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     with tempfile.TemporaryDirectory() as tmp:  # a file, not -c: @triton.jit needs the source of what it wraps
-        path = Path(tmp) / "aot_script.py"
+        path = Path(tmp) / "script.py"
         path.write_text(script)
         proc = subprocess.run([sys.executable, str(path)], env=env, cwd=_ROOT, capture_output=True, text=True,
                               timeout=timeout)
-    assert proc.returncode == 0, (f"AOT compile script failed (rc={proc.returncode}).\n"
+    assert proc.returncode == 0, (f"script failed (rc={proc.returncode}).\n"
                                   f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}")
-    count = sum(line.startswith("compiled") for line in proc.stdout.splitlines())
-    assert count == expected, f"expected {expected} kernels compiled, got {count}:\n{proc.stdout}"
     return proc.stdout
+
+
+def compile_in_subprocess(script: str, expected: int, timeout: float = 300) -> str:
+    """Run ``script`` in a fresh Python without TRITON_INTERPRET; assert it exited 0 and printed
+    "compiled" ``expected`` times. Returns its stdout."""
+    stdout = run_without_interpreter(script, timeout)
+    count = sum(line.startswith("compiled") for line in stdout.splitlines())
+    assert count == expected, f"expected {expected} kernels compiled, got {count}:\n{stdout}"
+    return stdout

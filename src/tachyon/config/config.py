@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationError
 
+from . import hjson
 from .batch import check_world_size, resolve_batch_sizes
 from .errors import ConfigError, validation_problems
 from .keys import walk
@@ -27,12 +28,15 @@ from .sections import (
     ActivationCheckpointingConfig,
     BF16Config,
     CheckpointConfig,
+    CudaGraphConfig,
     DataTypesConfig,
     FlopsProfilerConfig,
     FP16Config,
     MonitorConfig,
+    NonFiniteGradientsConfig,
     OptimizerConfig,
     PipelineConfig,
+    PreemptionConfig,
     ProgressiveLayerDropConfig,
     QuantizeTrainingConfig,
     SchedulerConfig,
@@ -68,6 +72,9 @@ class TachyonConfig(Section):
     """dtype gradients are all-reduced in; None: the training precision."""
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
+    dataloader_drop_last: bool = False
+    """The engine-built DataLoader (``training_data=``, ``engine.deepspeed_io``) drops a last
+    incomplete micro-batch."""
 
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
@@ -86,6 +93,9 @@ class TachyonConfig(Section):
     quantize_training: QuantizeTrainingConfig = Field(default_factory=QuantizeTrainingConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    nonfinite_gradients: NonFiniteGradientsConfig = Field(default_factory=NonFiniteGradientsConfig)
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
+    cuda_graph: CudaGraphConfig = Field(default_factory=CudaGraphConfig)
 
     _ignored: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -137,17 +147,27 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _read_json(path: Path) -> Any:
+    """The file as JSON, or else as Hjson (comments, trailing commas, unquoted keys: the JSON
+    superset DeepSpeed reads config files as; `tachyon.config.hjson`)."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {str(path)!r} (expected a JSON file or a dict)")
     try:
-        with path.open(encoding="utf-8") as handle:
-            return json.load(handle, object_pairs_hook=_reject_duplicates)
-    except json.JSONDecodeError as error:
-        raise ConfigError(
-            f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}"
-        ) from None
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason}); save the JSON as UTF-8") from None
+    try:
+        return json.loads(text, object_pairs_hook=_reject_duplicates)
+    except json.JSONDecodeError:
+        pass
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from None
+    try:
+        return hjson.loads(text)
+    except hjson.HjsonError as error:
+        raise ConfigError(
+            f"{path}:{error.lineno}:{error.colno}: invalid JSON (and invalid Hjson, which DeepSpeed also reads): "
+            f"{error.msg}"
+        ) from None
 
 
 def _as_dict(config: Any) -> dict[str, Any]:
@@ -174,10 +194,11 @@ def _cross_section_problems(config: TachyonConfig) -> list[str]:
             "`fp16.enabled` and `bf16.enabled` are both true; choose one training precision"
         )
     accum = config.data_types.grad_accum_dtype
-    if accum is not None and not problems and accum not in ("fp32", config.precision):
+    if accum is not None and not problems and accum not in ("fp32", config.precision) and config.zero_stage == 0:
         problems.append(
-            f'`data_types.grad_accum_dtype: "{accum}"` does not match the training precision '
-            f'"{config.precision}"; use "fp32" or "{config.precision}"'
+            f'`data_types.grad_accum_dtype: "{accum}"` with "{config.precision}" training and no ZeRO: gradients '
+            f'accumulate in "{config.precision}" or "fp32" (DeepSpeed refuses this mix without ZeRO too); use one of '
+            "those, or a ZeRO stage (which accumulates in the model dtype)"
         )
     stages = config.pipeline.num_stages or 1
     if stages > 1 and config.zero_stage >= 2:
@@ -249,8 +270,40 @@ def parse_config(config: Any) -> TachyonConfig:
     problems.extend(_cross_section_problems(result))
     if problems:
         raise ConfigError(problems)
+    _ignore_what_deepspeed_ignores(raw, result, ignored)
     result._ignored = ignored
     return result
+
+
+def _ignore_what_deepspeed_ignores(raw: dict[str, Any], config: TachyonConfig, ignored: dict[str, Any]) -> None:
+    """Values DeepSpeed accepts and then does not use, accepted the same way and reported in
+    ``ignored_keys`` (IGNORED_VALUES says why)."""
+    accum = config.data_types.grad_accum_dtype
+    if accum is not None and accum not in ("fp32", config.precision) and config.zero_stage > 0:
+        ignored["data_types.grad_accum_dtype"] = accum
+        config.data_types.grad_accum_dtype = None
+    if config.fp16.enabled and config.zero_stage == 0 and config.fp16.hysteresis != 1:
+        # DeepSpeed's fp16 optimizer without ZeRO halves the scale at every overflow (its ZeRO
+        # optimizers' scaler is the one that spends hysteresis first)
+        fp16 = raw.get("fp16") if isinstance(raw.get("fp16"), dict) else {}
+        if "hysteresis" in fp16:
+            ignored["fp16.hysteresis"] = fp16["hysteresis"]
+        config.fp16.hysteresis = 1
+    optimizer = raw.get("optimizer")
+    if config.optimizer is not None and config.optimizer.type == "AdamW" and isinstance(optimizer, dict) \
+            and isinstance(optimizer.get("params"), dict) and optimizer["params"].get("adam_w_mode") is False:
+        ignored["optimizer.params.adam_w_mode"] = False
+
+
+IGNORED_VALUES: dict[str, str] = {
+    "fp16.hysteresis": "without ZeRO (stage 0): DeepSpeed's fp16 optimizer halves the loss scale at every overflow, "
+                       "and so does tachyon; the hysteresis counts at ZeRO stages 1 and 2",
+    "data_types.grad_accum_dtype": "a dtype other than fp32 or the model's under ZeRO stage 1/2: DeepSpeed's ZeRO "
+                                   "optimizer accumulates in the model dtype then, and so does tachyon",
+    "optimizer.params.adam_w_mode": 'false with type "AdamW": DeepSpeed applies decoupled weight decay for AdamW '
+                                    "whatever adam_w_mode says, and so does tachyon",
+}
+"""Keys whose value is accepted and ignored in some combinations (`TachyonConfig.ignored_keys`)."""
 
 
 def load_config(config: Any, world_size: int = 1, *, data_parallel_size: int | None = None) -> TachyonConfig:

@@ -8,8 +8,12 @@ Nothing is silently dropped. Every key in a config is one of:
   ``{"device": "none"}``, ... see `OFF_VALUES`), in which case it is accepted and reported by
   `TachyonConfig.ignored_keys`;
 - in `ACCEPTED_IGNORED_KEYS`: accepted with no effect (logging, debugging and performance hints
-  whose result tachyon already matches, or ZeRO-3-only knobs), reported by ``ignored_keys``;
+  whose result tachyon already matches, ZeRO-3-only knobs, and keys DeepSpeed itself does not
+  read that real configs carry), reported by ``ignored_keys``; the table gives each one's reason;
 - anything else: an error with a did-you-mean.
+
+Every key DeepSpeed reads in the sections tachyon implements is one of the first three (checked
+against DeepSpeed's config classes by tests/config/test_deepspeed_keys.py).
 
 Paths are dotted (``zero_optimization.offload_optimizer``); a trailing ``*`` matches a prefix.
 """
@@ -46,15 +50,16 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "sequence_parallel_size": "Ulysses sequence parallelism",
     "sparse_gradients": "sparse (CSR) embedding gradients",
     "disable_allgather": "broadcast instead of allgather",
-    "dataloader_drop_last": "the engine-built dataloader",
     "graph_harvesting": "CUDA graph harvesting",
     "compile": "DeepCompile",
     "weight_quantization": "weight quantization at training time",
     "use_data_before_expert_parallelism": "expert (MoE) parallelism",
+    "gradient_allreduce_op": "summing gradients over the data-parallel ranks instead of averaging them",
+    "managed_gradient_accumulation": "unmanaged gradient accumulation (every step() a boundary); use "
+                                     "engine.set_gradient_accumulation_boundary",
     # fp16 / bf16
     "fp16.auto_cast": "automatic casting of inputs to fp16",
     "fp16.fp16_master_weights_and_grads": "fp16 master weights and gradients",
-    "bf16.check_grad_overflow": "overflow checks in bf16",
     "bf16.check_overflow": "overflow checks in bf16",
     "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients",
     "bf16.bf16_optimizer_states": "bf16 optimizer states",
@@ -65,7 +70,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "zero_optimization.cpu_offload": "ZeRO-Offload of optimizer states",
     "zero_optimization.cpu_offload_param": "ZeRO-Offload of parameters",
     "zero_optimization.cpu_offload_use_pin_memory": "ZeRO-Offload",
-    "zero_optimization.stage3_*": "ZeRO stage 3",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
     "zero_optimization.zero_quantized_weights": "ZeRO++ quantized weights",
     "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized weights",
@@ -77,6 +81,14 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "zero_optimization.elastic_checkpoint": "elastic ZeRO checkpoints",
     "zero_optimization.load_from_fp32_weights": "rebuilding fp32 master weights from 16-bit ones",
     "zero_optimization.zenflow": "ZenFlow",
+    # tensor parallelism (AutoTP)
+    "tensor_parallel.tp": "AutoTP's nested tp block; set tensor_parallel.tp_size",
+    "tensor_parallel.tp_grain_size": "AutoTP's split granularity",
+    "tensor_parallel.tp_overlap_comm": "AutoTP's communication overlap",
+    "tensor_parallel.partition_config": "AutoTP's custom partition rules (tachyon.parallel.tensor.parallelize has "
+                                        "its own policies)",
+    "tensor_parallel.preset_model": "AutoTP's preset model partitions",
+    "tensor_parallel.keep_module_on_host": "keeping AutoTP modules on the host",
     # checkpoint
     "checkpoint.load_universal": "universal checkpoints",
     "checkpoint.parallel_write": "parallel checkpoint writes of pipeline stages",
@@ -84,29 +96,46 @@ UNSUPPORTED_KEYS: dict[str, str] = {
 }
 """Dotted key path -> the DeepSpeed feature tachyon does not implement yet."""
 
-ACCEPTED_IGNORED_KEYS: tuple[str, ...] = (
-    "dump_state",
-    "memory_breakdown",
-    "vocabulary_size",
-    "timers",
-    "seq_parallel_communication_data_type",
-    "optimizer.legacy_fusion",
-    "quantize_training.quantizer_kernel",
-    "bf16.immediate_grad_update",
-    "zero_optimization.allgather_partitions",
-    "zero_optimization.use_multi_rank_bucket_allreduce",
-    "zero_optimization.ignore_unused_parameters",
-    "zero_optimization.log_trace_cache_warnings",
-    "zero_optimization.enable_sanity_checks",
-    "zero_optimization.sub_group_size",
-    "zero_optimization.memory_efficient_linear",
-    "zero_optimization.pipeline_loading_checkpoint",
-    "zero_optimization.override_module_apply",
-    "zero_optimization.leaf_module",
-    "pipeline.pipe_partitioned",
-    "pipeline.grad_partitioned",
-)
-"""Dotted key paths accepted with any value and no effect."""
+_HINT = "a logging / debugging switch with no effect on training"
+_ZERO3 = "a ZeRO stage 3 setting: it takes effect only at stage 3 (which tachyon refuses), and DeepSpeed ignores it below"
+_ZERO3_ONLY = "a ZeRO-3 / offload implementation detail with no counterpart in tachyon's stages 0-2"
+_NOT_READ = "not read by DeepSpeed either (it ignores unknown keys in this section); found in real configs"
+_ZERO3_KNOBS = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+                "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+                "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential")
+
+ACCEPTED_IGNORED_KEYS: dict[str, str] = {
+    "dump_state": _HINT,
+    "memory_breakdown": _HINT + " (tachyon reports memory with engine.memory_breakdown())",
+    "log_level": _HINT + " (configure the 'tachyon' / 'DeepSpeed' loggers instead)",
+    "vocabulary_size": "used by DeepSpeed only for its own bookkeeping",
+    "timers": "DeepSpeed's throughput-timer settings; wall_clock_breakdown and steps_per_print set tachyon's",
+    "seq_parallel_communication_data_type": "Ulysses sequence parallelism's dtype (tachyon has none: sequence_parallel_size is 1)",
+    "optimizer.legacy_fusion": "an old fp16 optimizer switch; tachyon's fp16 path has one implementation",
+    "quantize_training.quantizer_kernel": "MoQ's CUDA quantizer switch; tachyon's quantizer is one implementation",
+    "quantize_training.quantize_type": _NOT_READ,
+    "quantize_training.quantize_eigenvalue": _NOT_READ,
+    "flops_profiler.step": _NOT_READ + " (profile_step sets the step to profile)",
+    "cuda_visible_devices": _NOT_READ + " (set CUDA_VISIBLE_DEVICES in the environment)",
+    "bf16.immediate_grad_update": "a DeepSpeed bf16-optimizer scheduling detail; tachyon's result is the same",
+    "zero_optimization.allgather_partitions": "tachyon always all-gathers (DeepSpeed's default true)",
+    "zero_optimization.use_multi_rank_bucket_allreduce": "a DeepSpeed reduction-scheduling detail",
+    "zero_optimization.ignore_unused_parameters": "parameters without gradients are always allowed",
+    "zero_optimization.log_trace_cache_warnings": _HINT,
+    "zero_optimization.enable_sanity_checks": _HINT,
+    "zero_optimization.sub_group_size": _ZERO3_ONLY,
+    "zero_optimization.memory_efficient_linear": _ZERO3_ONLY,
+    "zero_optimization.pipeline_loading_checkpoint": _ZERO3_ONLY,
+    "zero_optimization.override_module_apply": _ZERO3_ONLY,
+    "zero_optimization.leaf_module": _ZERO3_ONLY,
+    "zero_optimization.save_muon_momentum_buffer_in_memory": "the Muon optimizer's setting (tachyon has no Muon)",
+    "zero_optimization.stage3_*": _ZERO3,
+    **{f"zero_optimization.{key}": _ZERO3 for key in _ZERO3_KNOBS},
+    "pipeline.pipe_partitioned": "DeepSpeed's activation partitioning between stages; torch.distributed.pipelining "
+                                 "sends whole activations",
+    "pipeline.grad_partitioned": "as pipe_partitioned, for gradients",
+}
+"""Dotted key path (a trailing ``*`` matches a prefix) -> why it is accepted with no effect."""
 
 
 def _is(*values: Any) -> Callable[[Any], bool]:
@@ -131,9 +160,9 @@ OFF_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "wandb", "comet", "nebula", "hybrid_engine", "weight_quantization",
     )},
     **{key: _FALSE for key in (
-        "sparse_gradients", "disable_allgather", "dataloader_drop_last", "graph_harvesting",
+        "sparse_gradients", "disable_allgather", "graph_harvesting",
         "use_data_before_expert_parallelism", "fp16.fp16_master_weights_and_grads",
-        "bf16.check_grad_overflow", "bf16.check_overflow", "bf16.bf16_master_weights_and_grads",
+        "bf16.check_overflow", "bf16.bf16_master_weights_and_grads",
         "bf16.bf16_optimizer_states", "zero_optimization.cpu_offload",
         "zero_optimization.cpu_offload_param", "zero_optimization.cpu_offload_use_pin_memory",
         "zero_optimization.zero_quantized_weights",
@@ -146,6 +175,14 @@ OFF_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sequence_parallel_size": (_is(1), "1"),
     "compile": (lambda v: v == {} or (isinstance(v, dict) and v.get("deepcompile") is False),
                 '{"deepcompile": false}'),
+    "gradient_allreduce_op": (_is("mean"), '"mean"'),
+    "managed_gradient_accumulation": (_is(True), "true"),
+    "tensor_parallel.tp": (lambda v: v == {} or v is None, "{}"),
+    "tensor_parallel.tp_grain_size": (_is(1), "1"),
+    "tensor_parallel.tp_overlap_comm": (_is(False, None), "false"),
+    "tensor_parallel.partition_config": (_is(None), "null"),
+    "tensor_parallel.preset_model": (_is(None), "null"),
+    "tensor_parallel.keep_module_on_host": (_is(False, None), "false"),
     "zero_optimization.offload_optimizer": (_no_offload, '{"device": "none"}'),
     "zero_optimization.offload_param": (_no_offload, '{"device": "none"}'),
     "zero_optimization.zero_hpz_partition_size": (_is(1), "1"),
@@ -163,13 +200,24 @@ OFF_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
 to write such a value)."""
 
 
-def _lookup_unsupported(path: str) -> str | None:
-    if path in UNSUPPORTED_KEYS:
+def _lookup(path: str, table: dict[str, str]) -> str | None:
+    """The entry of ``table`` (exact path, or a ``prefix*`` pattern) that ``path`` falls under."""
+    if path in table:
         return path
-    for pattern in UNSUPPORTED_KEYS:
+    for pattern in table:
         if pattern.endswith("*") and path.startswith(pattern[:-1]):
             return pattern
     return None
+
+
+def _lookup_unsupported(path: str) -> str | None:
+    return _lookup(path, UNSUPPORTED_KEYS)
+
+
+def ignored_reason(path: str) -> str | None:
+    """Why ``path`` is accepted with no effect, or None when it is not such a key."""
+    pattern = _lookup(path, ACCEPTED_IGNORED_KEYS)
+    return None if pattern is None else ACCEPTED_IGNORED_KEYS[pattern]
 
 
 def _section_model(annotation: Any) -> type[BaseModel] | None:
@@ -241,7 +289,7 @@ def walk(
             if key not in by_key:
                 ignored[path] = value
                 continue
-        elif path in ACCEPTED_IGNORED_KEYS:
+        elif ignored_reason(path) is not None:
             ignored[path] = value
             continue
         if key not in by_key:

@@ -6,7 +6,8 @@ can build the optimizer or schedule from it without defaults of its own. DeepSpe
 worth knowing:
 
 - ``Adam`` with ``adam_w_mode: true`` (the default!) applies decoupled (AdamW) weight decay;
-  set ``adam_w_mode: false`` for classic L2 Adam. ``AdamW`` always decouples. ``torch_adam``
+  set ``adam_w_mode: false`` for classic L2 Adam. ``AdamW`` always decouples (an ``adam_w_mode:
+  false`` there is ignored and reported, as DeepSpeed ignores it). ``torch_adam``
   asks for torch.optim's implementation instead of the fused one. Neither key is an optimizer
   constructor argument; the engine consumes them.
 - Schedules count optimizer steps. WarmupLR ramps ``warmup_min_lr -> warmup_max_lr`` over
@@ -178,21 +179,34 @@ class _SchedulerParams(Section):
     last_batch_iteration: Annotated[int, Field(ge=-1)] = -1
 
 
+LrValue = NonNegativeFloat | list[NonNegativeFloat]
+"""One lr for every param group, or one per group (DeepSpeed's schedules take both)."""
+
+
 class WarmupLRParams(_SchedulerParams):
-    warmup_min_lr: NonNegativeFloat = 0.0
-    warmup_max_lr: NonNegativeFloat = 0.001
-    warmup_num_steps: NonNegativeInt = 1000
+    warmup_min_lr: LrValue = 0.0
+    warmup_max_lr: LrValue | None = None
+    """None: each param group warms up to its own lr (DeepSpeed's WarmupLR)."""
+    warmup_num_steps: PositiveInt = 1000
     warmup_type: WarmupType = "log"
 
 
 class WarmupDecayLRParams(WarmupLRParams):
     total_num_steps: PositiveInt
+    warmup_max_lr: LrValue = 0.001
+
+
+class LRRangeTestParams(_SchedulerParams):
+    lr_range_test_min_lr: LrValue = 1e-3
+    lr_range_test_step_size: PositiveInt = 2000
+    lr_range_test_step_rate: NonNegativeFloat = 1.0
+    lr_range_test_staircase: bool = False
 
 
 class WarmupCosineLRParams(_SchedulerParams):
     total_num_steps: PositiveInt
     warmup_min_ratio: UnitFloat = 0.0
-    warmup_num_steps: NonNegativeInt = 1000
+    warmup_num_steps: PositiveInt = 1000
     cos_min_ratio: UnitFloat = 0.0001
     warmup_type: WarmupType = "log"
 
@@ -202,7 +216,7 @@ class OneCycleParams(_SchedulerParams):
     cycle_max_lr: NonNegativeFloat
     decay_lr_rate: NonNegativeFloat = 0.0
     cycle_first_step_size: PositiveInt = 2000
-    cycle_second_step_size: PositiveInt | None = None
+    cycle_second_step_size: NonNegativeInt | None = None
     cycle_first_stair_count: NonNegativeInt = 0
     cycle_second_stair_count: NonNegativeInt | None = None
     decay_step_size: NonNegativeInt = 0
@@ -241,6 +255,7 @@ SCHEDULER_PARAMS: dict[str, type[Section]] = {
     "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams,
     "OneCycle": OneCycleParams,
+    "LRRangeTest": LRRangeTestParams,
 }
 """Canonical scheduler name -> model of its ``params``."""
 
@@ -255,7 +270,7 @@ UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
 }
 """DeepSpeed optimizer types tachyon refuses for now -> what they are."""
 
-UNSUPPORTED_SCHEDULERS: dict[str, str] = {"LRRangeTest": "the learning-rate range test"}
+UNSUPPORTED_SCHEDULERS: dict[str, str] = {}
 """DeepSpeed scheduler types tachyon refuses for now -> what they are."""
 
 
@@ -304,11 +319,6 @@ def check_typed_section(section: str, raw: dict[str, Any]) -> tuple[dict | None,
         if params.get("amsgrad") is True:
             problems.append(
                 not_supported(join_path(params_path, "amsgrad"), "AMSGrad", True, "false")
-            )
-        if name == "AdamW" and params.get("adam_w_mode") is False:
-            problems.append(
-                f'`{params_path}.adam_w_mode: false` contradicts `{section}.type: "AdamW"`; '
-                'use type "Adam" with adam_w_mode false for classic L2-regularized Adam'
             )
     if problems:
         return None, problems

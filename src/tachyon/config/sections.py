@@ -54,9 +54,16 @@ class FP16Config(Section):
 
 class BF16Config(Section):
     """``"bf16"`` (DeepSpeed's older spelling ``"bfloat16"`` is accepted): bf16 weights and
-    activations with fp32 master weights; no loss scaling is needed."""
+    activations with fp32 master weights; no loss scaling is needed.
+
+    ``check_grad_overflow`` (DeepSpeed's key; default on here, off in DeepSpeed): a step whose
+    gradients hold an inf or nan on any rank is skipped on every rank and counted in
+    ``skipped_steps`` (`tachyon.engine.nonfinite`). Cost: one all-reduce of a flag per optimizer
+    step (shared with ``preemption``) and a device-to-host read of it; the check reads the global
+    gradient norm the engine computes anyway, so no extra pass over the gradients."""
 
     enabled: bool = False
+    check_grad_overflow: bool = True
 
 
 def _none_means_false(value: Any) -> Any:
@@ -104,11 +111,64 @@ class CheckpointConfig(Section):
     ] = "Warn"
     load_universal: bool = False  # true is refused (see keys.UNSUPPORTED_KEYS)
     use_node_local_storage: bool = False
+    allow_nonfinite: bool = False
+    """Save a model or optimizer state holding an inf or nan (default: refused with a
+    CheckpointError before anything is written, so ``latest`` keeps naming a usable checkpoint)."""
 
 
 def _false_means_none(value: Any) -> Any:
     # DeepSpeed templates in the wild write "number_checkpoints": false for "not set".
     return None if value is False else value
+
+
+class NonFiniteGradientsConfig(Section):
+    """``"nonfinite_gradients"`` (tachyon's): a step whose gradients hold an inf or nan is skipped
+    on every rank (`tachyon.engine.nonfinite`); after ``max_consecutive_skips`` such steps in a row
+    training stops with `tachyon.engine.nonfinite.NonFiniteGradientsError` (0: never stops).
+    fp16 overflows while the dynamic loss scale can still be lowered are its calibration and do
+    not count."""
+
+    max_consecutive_skips: NonNegativeInt = 10
+
+
+_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+
+
+class PreemptionConfig(Section):
+    """``"preemption"`` (tachyon's; off by default): save a checkpoint and stop when the process
+    gets one of ``signals`` (SIGTERM: ``kill``, ``docker stop``, Kubernetes; SIGUSR1: SLURM's
+    ``--signal``). Every rank finishes the optimizer step it is in, the ranks agree at the next
+    step boundary (one all-reduce of a flag per step, shared with the non-finite check), the
+    engine saves into ``save_dir`` (tag ``global_step<N>``) and raises
+    `tachyon.engine.preemption.Preempted`, a SystemExit with ``exit_code`` (75, sysexits'
+    EX_TEMPFAIL: try again later). No handler is installed while ``enabled`` is false."""
+
+    enabled: bool = False
+    save_dir: str | None = None
+    signals: list[Literal[_SIGNALS]] = Field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # type: ignore[valid-type]
+    exit_code: Annotated[int, Field(ge=1, le=255)] = 75
+
+    @model_validator(mode="after")
+    def _needs_save_dir(self) -> PreemptionConfig:
+        if self.enabled and not self.save_dir:
+            raise ValueError("preemption.enabled needs preemption.save_dir (where the checkpoint is saved on a signal)")
+        if not self.signals and self.enabled:
+            raise ValueError("preemption.signals is empty; name at least one of " + ", ".join(_SIGNALS))
+        return self
+
+
+class CudaGraphConfig(Section):
+    """``"cuda_graph"`` (tachyon's; off by default): capture the model's forward and backward as
+    CUDA graphs at the first training micro-batch and replay them for every later one
+    (`tachyon.make_graphed_callables`, docs/cuda_graphs.md): the host time between kernels
+    disappears. Inputs must keep the first micro-batch's shapes and dtypes (pad to a fixed length).
+    ``num_warmup_iters`` forward + backward runs precede the capture (Triton compiles and
+    autotunes); they change no weight, gradient, buffer or RNG state. Needs a CUDA device; refused
+    with progressive layer drop (a host-side draw), a PipelineModule, the flops profiler (hooks), and
+    CPU activation checkpointing / synchronized checkpoint boundaries (host work inside a capture)."""
+
+    enabled: bool = False
+    num_warmup_iters: Annotated[int, Field(ge=1)] = 3
 
 
 class ActivationCheckpointingConfig(Section):
@@ -351,5 +411,5 @@ class SchedulerConfig(Section):
     """``"scheduler"``: ``type`` is the canonical name; ``params`` holds every parameter of that
     type with DeepSpeed's defaults filled in (see `tachyon.config.optim`)."""
 
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"]
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
     params: dict[str, Any] = Field(default_factory=dict)

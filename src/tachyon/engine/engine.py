@@ -15,8 +15,10 @@ The engine holds no precision or ZeRO logic of its own; it calls two objects:
 Gradient accumulation follows DeepSpeed: call ``backward`` and ``step`` on every micro-batch;
 the loss is divided by ``gradient_accumulation_steps``, gradients are communicated only on the
 boundary micro-step (``is_gradient_accumulation_boundary()``), and only the boundary ``step``
-updates the weights. An fp16 overflow skips the update (no parameter or optimizer state
-changes), counts in ``skipped_steps`` and still counts as a global step.
+updates the weights. A non-finite gradient (fp16 overflow, or an inf/nan in any precision)
+skips the update on every rank (`tachyon.engine.nonfinite`), counts in ``skipped_steps`` and
+still counts as a global step; the ``preemption`` section saves and stops on a signal
+(`tachyon.engine.preemption`).
 
 Monitoring comes from the config alone (``engine.telemetry``, `tachyon.engine.telemetry`): every
 ``steps_per_print`` steps rank 0 prints the step line (loss averaged over the accumulation
@@ -30,8 +32,8 @@ Tensor and pipeline parallelism (``mesh``, from `tachyon.initialize`; docs/paral
 model arrives already split (`tachyon.parallel.tensor.parallelize`) or as this rank's pipeline
 stages (`tachyon.parallel.pipeline.PipelineModule`); ``engine.comm`` is the mesh's data-parallel
 axis, so ZeRO partitions over the copies of the same model part. The global gradient norm counts
-every parameter of the whole model once (`tachyon.engine.zero.model_parallel`) and an fp16
-overflow on any rank skips the step everywhere. A PipelineModule is trained with DeepSpeed's
+every parameter of the whole model once (`tachyon.engine.zero.model_parallel`) and a
+non-finite gradient on any rank skips the step everywhere. A PipelineModule is trained with DeepSpeed's
 ``engine.train_batch(data_iter)`` (one optimizer step over ``gradient_accumulation_steps``
 micro-batches run by the ``pipeline.schedule``; `tachyon.engine.pipeline`) and evaluated with
 ``engine.eval_batch``; ``forward`` / ``backward`` / ``step`` are refused there, as in DeepSpeed.
@@ -50,6 +52,10 @@ MoQ (``quantize_training`` section, `tachyon.engine.moq`): after every optimizer
 (boundary, no overflow) ``engine.quantizer`` counts the step and snaps the model's linear weights
 onto its current grid from their full-precision values, which the optimizer keeps updating;
 ``engine.quantizer.inference_quant()`` is the ``quant=`` for `tachyon.init_inference`.
+
+DeepSpeed's engine names (ranks and sizes, config getters, ``global_samples``,
+``was_step_applied``, ``no_sync``, ...) come from `tachyon.engine.compat_surface`; a name the
+engine leaves out raises an error saying so (`tachyon.engine.compat_missing`).
 """
 
 from __future__ import annotations
@@ -60,18 +66,21 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
 
 from tachyon.config import ConfigError, TachyonConfig
 from tachyon.parallel.pipeline import PipelineModule
 
 from . import pipeline
+from .compat_surface import DeepSpeedEngineSurface, deepspeed_step, records_step
+from .cuda_graph import EngineCudaGraph, check_cuda_graph
 from .lr_schedules import build_scheduler
+from .nonfinite import NonFiniteGradientsError, StepGuard
 from .onebit_hooks import bind_onebit_optimizer
 from .optim import build_optimizer
 from .optim.lamb import Lamb
 from .pld import PLD_KWARGS, ProgressiveLayerDrop, UnusedParameterGuard
 from .precision import DTYPES, Precision, build_precision
+from .preemption import PreemptionHandler
 from .telemetry import EngineTelemetry
 from .zero import DataParallelComm, ZeroStrategy, build_zero_strategy
 from .zero.model_parallel import ModelParallelSum, duplicate_parameters
@@ -80,7 +89,7 @@ CLIP_EPS = 1e-6
 """clip coefficient = max_norm / (norm + CLIP_EPS), as in torch.nn.utils.clip_grad_norm_."""
 
 
-class Engine(torch.nn.Module):
+class Engine(DeepSpeedEngineSurface, torch.nn.Module):
     """Wraps a model for training; build it with `tachyon.initialize`.
 
     Args:
@@ -113,6 +122,7 @@ class Engine(torch.nn.Module):
         mesh: Any = None,
     ):
         check_engine_inputs(model, config, optimizer, lr_scheduler)
+        check_cuda_graph(model, config, device)
         if config.quantize_training.enabled:
             from .moq import check_moq_inputs
 
@@ -176,10 +186,19 @@ class Engine(torch.nn.Module):
             from .moq import EngineMoQ
 
             self.quantizer = EngineMoQ(model, config, self.zero)
+        # save on a signal (no handler when off); skip non-finite steps on every rank together
+        self.preemption = PreemptionHandler(config.preemption, self.world_comm.rank)
+        self.step_guard = StepGuard(self.precision, self.zero, self.world_comm, model,
+                                    config.nonfinite_gradients.max_consecutive_skips, self.preemption)
+        self._stop_agreed = False
+        self.cuda_graph = EngineCudaGraph(model, config.cuda_graph.num_warmup_iters) if config.cuda_graph.enabled \
+            else None
+        """The ``cuda_graph`` section (`tachyon.engine.cuda_graph`): captures at the first training forward."""
         self.telemetry.attach_model(model, self)
         self.training_dataloader = (
             self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
         )
+        self._init_deepspeed_surface()
 
     # ------------------------------------------------------------------ training loop
     @property
@@ -210,6 +229,8 @@ class Engine(torch.nn.Module):
                 )
             kwargs.update(self.progressive_layer_drop.get_state(self.global_steps))
         self.telemetry.begin_forward(self.global_steps, self.micro_steps % self.gradient_accumulation_steps() == 0)
+        if self.cuda_graph is not None and self.module.training:
+            self.cuda_graph.before_forward(inputs, kwargs)
         with self.telemetry.forward_phase():
             return self.module(*inputs, **kwargs)
 
@@ -228,34 +249,47 @@ class Engine(torch.nn.Module):
             if scale_wrt_gas and gas > 1:
                 scaled = scaled / gas
             scaled = self.precision.scale_loss(scaled)
-            self.zero.begin_backward(self.is_gradient_accumulation_boundary())
+            self.zero.begin_backward(self._backward_reduces())
             scaled.backward(retain_graph=retain_graph)
         with self.telemetry.phase("reduce"):
             self.zero.end_backward()
         return loss
 
+    @deepspeed_step
     def step(self) -> None:
         """Count a micro-step; on the accumulation boundary update the weights (unless fp16
         overflowed), step the lr schedule and clear the gradients; then report the step
         (`tachyon.engine.telemetry`: collective on print steps)."""
         self._refuse_in_pipeline("step")
-        if self.is_gradient_accumulation_boundary():
-            with self.telemetry.phase("step"):
-                self._take_model_step()
-            self.telemetry.end_step(self.global_steps, lr=self.get_lr(), grad_norm=self._grad_norm,
-                                    loss_scale=self.loss_scale, skipped_steps=self.skipped_steps)
-        self.micro_steps += 1
+        try:
+            if self.is_gradient_accumulation_boundary():
+                with self.telemetry.phase("step"):
+                    self._take_model_step()
+                self.telemetry.end_step(self.global_steps, lr=self.get_lr(), grad_norm=self._grad_norm,
+                                        loss_scale=self.loss_scale, skipped_steps=self.skipped_steps)
+        finally:  # also when too many non-finite steps stopped training: the counters stay in step
+            self.micro_steps += 1
+        if self._stop_agreed:  # a preemption signal: save and raise Preempted (tachyon.engine.preemption)
+            self._stop_agreed = False
+            self.preemption.stop(self)
 
     def _take_model_step(self) -> None:
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: pass optimizer= or a config 'optimizer' section")
         grads = self.zero.master_grads()
-        overflow = self.precision.unscale_and_check(grads, self.world_comm)
+        try:  # the same verdict on every rank (tachyon.engine.nonfinite)
+            verdict = self.step_guard.decide(grads, self.global_steps + 1)
+        except NonFiniteGradientsError:  # too many in a row: this one is skipped too, then training stops
+            self.skipped_steps, self._grad_norm = self.skipped_steps + 1, None
+            self._end_step(True)
+            raise
+        self._stop_agreed = verdict.stop
+        overflow = verdict.skip
         if overflow:
             self.skipped_steps += 1
             self._grad_norm = None
         else:
-            self._grad_norm = self.zero.grad_norm(grads)
+            self._grad_norm = verdict.grad_norm
             max_norm = self.config.gradient_clipping
             if max_norm > 0:
                 coef = (max_norm / (self._grad_norm + CLIP_EPS)).clamp(max=1.0)
@@ -271,6 +305,9 @@ class Engine(torch.nn.Module):
                 self.quantizer.after_step()  # count the step, snap the model's linear weights
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+        self._end_step(overflow)
+
+    def _end_step(self, overflow: bool) -> None:
         self.precision.update(overflow)
         self.zero.zero_grad()
         if self._unused_guard is not None:
@@ -285,6 +322,7 @@ class Engine(torch.nn.Module):
             self._unused_guard.reset()
 
     # ------------------------------------------------------------------ pipelines
+    @records_step
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
         """One optimizer step of a PipelineModule (DeepSpeed's name): the ``pipeline.schedule``
         runs ``gradient_accumulation_steps`` micro-batches, each an ``(inputs, labels)`` item of
@@ -327,41 +365,31 @@ class Engine(torch.nn.Module):
         The engine does not guess it from input shapes (padding, packing, non-text inputs)."""
         self.telemetry.set_tokens_per_sample(tokens)
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True) -> str:  # noqa: B006 (DeepSpeed's signature; not mutated)
-        """Save the training state to ``save_dir/<tag>`` (see `tachyon.engine.checkpoint`)."""
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's; not mutated)
+                        exclude_frozen_parameters=False) -> bool:
+        """Save the training state to ``save_dir/<tag>``; True, as DeepSpeed (`tachyon.engine.checkpoint`)."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
-                        load_module_only=False) -> tuple[str | None, dict | None]:
-        """Load a checkpoint saved with any world size; returns (path, client_state)."""
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False,
+                        custom_load_fn=None) -> tuple[str | None, dict | None]:
+        """Load a checkpoint saved with any layout (DeepSpeed's arguments); ``(path, client_state)``."""
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               custom_load_fn=custom_load_fn)
 
     def save_16bit_model(self, save_dir, save_filename="model.safetensors") -> str:
         """Write the consolidated model weights (safetensors; plus config.json for HF models)."""
         from .checkpoint import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename)
-
-    # ------------------------------------------------------------------ data
-    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, collate_fn: Any = None) -> DataLoader:
-        """A DataLoader over ``dataset`` with a DistributedSampler over the data-parallel group
-        and the micro-batch size."""
-        sampler = DistributedSampler(dataset, num_replicas=self.comm.world_size, rank=self.comm.rank)
-        return DataLoader(
-            dataset,
-            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
-            sampler=sampler,
-            collate_fn=collate_fn,
-        )
 
     # ------------------------------------------------------------------ queries
     def train_batch_size(self) -> int:
@@ -394,10 +422,6 @@ class Engine(torch.nn.Module):
         return None if self._grad_norm is None else float(self._grad_norm)
 
     @property
-    def loss_scale(self) -> float:
-        return self.precision.loss_scale
-
-    @property
     def data_parallel_world_size(self) -> int:
         return self.comm.world_size
 
@@ -422,6 +446,7 @@ class Engine(torch.nn.Module):
         if self._destroyed:
             return
         self._destroyed = True
+        self.preemption.uninstall()
         self.telemetry.close()
         if self._unused_guard is not None:
             self._unused_guard.release()
@@ -443,14 +468,6 @@ class Engine(torch.nn.Module):
             breakdown["moq_full_precision"] = extra
             breakdown["model_states"] += extra
         return breakdown
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(super().__getattr__("module"), name)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -1,12 +1,14 @@
-"""DeepSpeed's learning-rate schedules: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle.
+"""DeepSpeed's learning-rate schedules: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest.
 
 Class names, arguments, defaults and formulas are DeepSpeed's (deepspeed/runtime/lr_schedules.py),
 so a DeepSpeed ``scheduler`` config section means the same here. ``step()`` is called once per
 optimizer step and sets ``group["lr"]`` for every param group; ``last_batch_iteration`` counts
 the steps taken (-1 = not started). With i = last_batch_iteration and W = max(2, warmup_num_steps):
 
-- WarmupLR: lr = min + (max - min) * gamma, gamma = log(i + 1) / log(W) ("log") or i / W
-  ("linear") while i < W, then 1. Construction (i = -1) sets lr = warmup_min_lr.
+- WarmupLR: lr = min + (max - min) * gamma, gamma = (1 / log(W)) * log(i + 1) ("log", computed
+  in that order, as DeepSpeed, so the floats agree bit for bit) or i / W ("linear") while i < W,
+  then 1. Construction (i = -1) sets lr = warmup_min_lr. Without warmup_max_lr each param group
+  warms up to its own lr.
 - WarmupDecayLR: the same warmup, then gamma = max(0, (T - i) / max(1, T - W)) with
   T = total_num_steps: linear decay that reaches warmup_min_lr at step T and stays there.
 - WarmupCosineLR: lr = base_lr * ratio, base_lr = each group's lr at construction. Warmup:
@@ -21,6 +23,11 @@ the steps taken (-1 = not started). With i = last_batch_iteration and W = max(2,
   d = i - total + 1: lr = cycle_min_lr / (1 + decay_lr_rate * d / decay_step_size) and momentum
   = cycle_max_mom * (1 + decay_mom_rate * d / decay_step_size) (no decay when the rate or
   decay_step_size is 0).
+- LRRangeTest: lr = lr_range_test_min_lr * (1 + step_rate * interval), interval = (i + 1) /
+  step_size, floored with ``lr_range_test_staircase``.
+
+A param group whose lr is a tensor keeps its tensor: the schedule fills it in place (DeepSpeed's
+``update_lr``), so code holding the tensor (a compiled optimizer step) sees the new value.
 
 Deliberate differences from DeepSpeed: an unknown warmup_type is a ValueError (DeepSpeed warns and
 uses "log"); OneCycle keeps each group's own beta2 where DeepSpeed writes 0.99; WarmupCosineLR's
@@ -42,13 +49,28 @@ WARMUP_TYPES = ("log", "linear")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
 
 
-def _per_group(optimizer: torch.optim.Optimizer, value: Any, name: str) -> list[float]:
+def _number(value: Any) -> Any:
+    """A float, or a tensor lr kept as a tensor (cloned, so filling the group's lr leaves it)."""
+    return value.detach().clone() if torch.is_tensor(value) else float(value)
+
+
+def _per_group(optimizer: torch.optim.Optimizer, value: Any, name: str) -> list:
     n = len(optimizer.param_groups)
     if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise ValueError(f"{name} has {len(value)} values but the optimizer has {n} param groups")
-        return [float(v) for v in value]
-    return [float(value)] * n
+        return [_number(v) for v in value]
+    return [_number(value)] * n
+
+
+def set_lrs(param_groups: list[dict], lrs: list) -> list:
+    """Write ``lrs`` into the groups (filling a tensor lr in place); returns the groups' lrs."""
+    for group, lr in zip(param_groups, lrs):
+        if torch.is_tensor(group["lr"]):
+            group["lr"].fill_(lr.squeeze() if torch.is_tensor(lr) else lr)
+        else:
+            group["lr"] = lr
+    return [group["lr"] for group in param_groups]
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -71,9 +93,7 @@ class _Schedule:
         raise NotImplementedError
 
     def _apply(self) -> None:
-        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
-            group["lr"] = lr
-        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        self._last_lr = set_lrs(self.optimizer.param_groups, self.get_lr())
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         """Advance to ``last_batch_iteration`` (default: one more) and set the groups' lr."""
@@ -95,7 +115,7 @@ class _Schedule:
 
 def _warmup_gamma(i: int, warmup_num_steps: int, warmup_type: str) -> float:
     if warmup_type == "log":
-        return math.log(i + 1) / math.log(warmup_num_steps)
+        return (1.0 / math.log(warmup_num_steps)) * math.log(i + 1)
     return i / warmup_num_steps
 
 
@@ -107,7 +127,7 @@ def _check_warmup_type(warmup_type: Any) -> str:
 
 class WarmupLR(_Schedule):
     """warmup_min_lr -> warmup_max_lr over warmup_num_steps ("log" or "linear"), then constant.
-    warmup_max_lr=None takes the optimizer's (first group's) lr. Floats or one value per group."""
+    warmup_max_lr=None warms each param group up to its own lr. Floats or one value per group."""
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, warmup_min_lr: float | list[float] = 0.0,
@@ -116,11 +136,11 @@ class WarmupLR(_Schedule):
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         if warmup_max_lr is None:
-            warmup_max_lr = optimizer.param_groups[0]["lr"]
+            warmup_max_lr = [group["lr"] for group in optimizer.param_groups]
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
         self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
-        self.warmup_num_steps = max(2, _check_int("warmup_num_steps", warmup_num_steps, 0))
+        self.warmup_num_steps = max(2, _check_int("warmup_num_steps", warmup_num_steps, 1))
         self.warmup_type = _check_warmup_type(warmup_type)
         if last_batch_iteration == -1:
             self._apply()
@@ -174,12 +194,12 @@ class WarmupCosineLR(_Schedule):
                 raise ValueError(f"{name} must be a number in [0, 1]; got {value!r}")
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)
-        self.warmup_num_steps = max(2, _check_int("warmup_num_steps", warmup_num_steps, 0))
+        self.warmup_num_steps = max(2, _check_int("warmup_num_steps", warmup_num_steps, 1))
         self.warmup_type = _check_warmup_type(warmup_type)
         if self.total_num_steps < self.warmup_num_steps:
             warnings.warn(f"WarmupCosineLR: total_num_steps {total_num_steps} is less than warmup_num_steps {self.warmup_num_steps}",
                           stacklevel=2)
-        self.org_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.org_lrs = [_number(group["lr"]) for group in optimizer.param_groups]
         if last_batch_iteration == -1:
             self._apply()
 
@@ -220,7 +240,7 @@ class OneCycle(_Schedule):
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         first = _check_int("cycle_first_step_size", cycle_first_step_size, 1)
-        second = first if cycle_second_step_size is None else _check_int("cycle_second_step_size", cycle_second_step_size, 1)
+        second = first if cycle_second_step_size is None else _check_int("cycle_second_step_size", cycle_second_step_size, 0)
         self.first_step_size, self.second_step_size = float(first), float(second)
         self.total_size = float(first + second)
         self.step_ratio = first / self.total_size
@@ -241,9 +261,7 @@ class OneCycle(_Schedule):
         self.min_moms = _per_group(optimizer, cycle_min_mom, "cycle_min_mom")
         self.max_moms = _per_group(optimizer, cycle_max_mom, "cycle_max_mom")
         if last_batch_iteration == -1:
-            for group, lr in zip(optimizer.param_groups, self.min_lrs):
-                group["lr"] = lr
-            self._last_lr = list(self.min_lrs)
+            self._last_lr = set_lrs(optimizer.param_groups, self.min_lrs)
             if self.cycle_momentum:
                 self._set_momentum(self.min_moms)
 
@@ -276,10 +294,8 @@ class OneCycle(_Schedule):
         factor = 1 + self.decay_lr_rate * self._decay_interval()
         return [lo / factor for lo in self.min_lrs]
 
-    def get_mom(self) -> list[float] | None:
-        """betas[0] per group at the current step (None when momentum is not cycled)."""
-        if not self.cycle_momentum:
-            return None
+    def _moms(self) -> list[float]:
+        """betas[0] per group at the current step."""
         if self.last_batch_iteration < self.total_size:
             scale = self._scale_factor()
             return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
@@ -288,6 +304,13 @@ class OneCycle(_Schedule):
         factor = 1 + self.decay_mom_rate * self._decay_interval()
         return [hi * factor for hi in self.max_moms]
 
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """(betas[0], betas[1]) per group at the current step, as DeepSpeed's (None when momentum
+        is not cycled); betas[1] is the group's own."""
+        if not self.cycle_momentum:
+            return None
+        return [(mom, group["betas"][1]) for mom, group in zip(self._moms(), self.optimizer.param_groups)]
+
     def _set_momentum(self, moms: list[float]) -> None:
         for group, mom in zip(self.optimizer.param_groups, moms):
             group["betas"] = (mom, group["betas"][1])
@@ -295,10 +318,38 @@ class OneCycle(_Schedule):
     def step(self, last_batch_iteration: int | None = None) -> None:
         super().step(last_batch_iteration)
         if self.cycle_momentum:
-            self._set_momentum(self.get_mom())
+            self._set_momentum(self._moms())
 
 
-_CLASSES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR, "OneCycle": OneCycle}
+class LRRangeTest(_Schedule):
+    """The learning-rate range test: lr grows from lr_range_test_min_lr by step_rate every
+    step_size steps (continuously, or in stairs)."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, lr_range_test_min_lr: float | list[float] = 1e-3,
+        lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False, last_batch_iteration: int = -1,
+    ) -> None:
+        super().__init__(optimizer, last_batch_iteration)
+        self.min_lr = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
+        self.step_size = _check_int("lr_range_test_step_size", lr_range_test_step_size, 1)
+        self.step_rate = float(lr_range_test_step_rate)
+        self.staircase = bool(lr_range_test_staircase)
+        if last_batch_iteration == -1:
+            self._last_lr = set_lrs(optimizer.param_groups, self.min_lr)
+
+    def _interval(self) -> float:
+        interval = float(self.last_batch_iteration + 1) / self.step_size
+        return math.floor(interval) if self.staircase else interval
+
+    def get_lr(self) -> list[float]:
+        increase = 1 + self.step_rate * self._interval()
+        return [lr * increase for lr in self.min_lr]
+
+
+SCHEDULERS = (*SCHEDULERS, "LRRangeTest")
+_CLASSES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR, "OneCycle": OneCycle,
+            "LRRangeTest": LRRangeTest}
 
 
 def build_scheduler(scheduler_config: Any, optimizer: torch.optim.Optimizer) -> _Schedule:
@@ -318,4 +369,5 @@ def build_scheduler(scheduler_config: Any, optimizer: torch.optim.Optimizer) -> 
     return cls(optimizer, **params)
 
 
-__all__ = ["SCHEDULERS", "WARMUP_TYPES", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler"]
+__all__ = ["SCHEDULERS", "WARMUP_TYPES", "LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR",
+           "build_scheduler", "set_lrs"]

@@ -179,6 +179,18 @@ class OneBitComm:
                 reducer.worker_error.mul_(scale / self._error_scale)
         self._error_scale = scale
 
+    @torch.no_grad()
+    def drop_nonfinite_errors(self) -> int:
+        """Zero the error-feedback entries that a non-finite gradient made inf or nan (its step
+        was skipped: `tachyon.engine.nonfinite`); without this every later step would carry them.
+        Returns how many entries were reset (local, no collective)."""
+        dropped = 0
+        for reducer in self._reducers.values():
+            bad = ~torch.isfinite(reducer.worker_error)
+            dropped += int(bad.sum())
+            reducer.worker_error.masked_fill_(bad, 0.0)
+        return dropped
+
     # ------------------------------------------------------------------ pending error
     def _check_zero(self, what: str) -> None:
         if self.zero is None:

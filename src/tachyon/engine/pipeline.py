@@ -147,7 +147,11 @@ def train_batch(engine: Any, data_iter: Any) -> torch.Tensor:
     engine.telemetry.end_step(engine.global_steps, lr=engine.get_lr(), grad_norm=engine._grad_norm,
                               loss_scale=engine.loss_scale, skipped_steps=engine.skipped_steps)
     engine.micro_steps += engine.gradient_accumulation_steps()
-    return data_parallel_mean(engine, loss)
+    mean = data_parallel_mean(engine, loss)
+    if engine._stop_agreed:  # a preemption signal: save and raise Preempted (tachyon.engine.preemption)
+        engine._stop_agreed = False
+        engine.preemption.stop(engine)
+    return mean
 
 
 @torch.no_grad()

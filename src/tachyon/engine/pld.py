@@ -44,6 +44,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+try:  # DeepSpeed computes theta with numpy's exp
+    from numpy import exp as _exp
+except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+    _exp = math.exp
+
 PLD_KWARGS = ("progressive_layer_drop", "pld_theta")
 """The keyword arguments the engine adds to the model's forward (DeepSpeed's names)."""
 
@@ -90,8 +95,10 @@ class ProgressiveLayerDrop:
         self.theta, self.gamma = float(theta), float(gamma)
 
     def theta_at(self, t: int) -> float:
-        """``theta(t) = (1 - theta) * exp(-gamma * t) + theta`` (float64, as DeepSpeed's numpy)."""
-        return (1.0 - self.theta) * math.exp(-self.gamma * t) + self.theta
+        """``theta(t) = (1 - theta) * exp(-gamma * t) + theta`` in float64, evaluated as DeepSpeed
+        does (``np.exp`` when numpy is installed: its exp is not libm's on every platform, and the
+        keep ratio must be DeepSpeed's to the last bit)."""
+        return float((1.0 - self.theta) * _exp(-self.gamma * t) + self.theta)
 
     def get_theta(self, global_steps: int) -> float:
         """The keep ratio the forwards of the step starting at ``global_steps`` use."""

@@ -300,6 +300,7 @@ class EngineTelemetry:
             "outside_flops": prof.outside_flops, "params": prof.get_total_params(), "timings": prof.step_timings,
         }
         prof.end_profile()
+        self.last_profiler = prof  # engine.flops_profiler after the profiled step (its flops / macs / params)
         self.profile_written = True
 
     def _samples_per_s(self, step_time: float) -> float | None:

@@ -10,9 +10,14 @@ The backward kernels of kernels/layernorm and kernels/dropout keep the same layo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from tachyon.kernels.ints import cdiv, next_power_of_2
+from tachyon.kernels.launch import fast_launch
 
 TILE = 4096  # elements per program tile: 16-32 per thread at 4-8 warps
 
@@ -23,19 +28,46 @@ TILE = 4096  # elements per program tile: 16-32 per thread at 4-8 warps
 INTERPRETER_AS_SMS: int | None = None
 
 
+@functools.lru_cache(maxsize=256)  # launch host time: a C-level cache hit instead of the arithmetic
 def tiles(n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the 2-D tiles over rows of n columns."""
-    block_n = min(triton.next_power_of_2(n), 1024)
+    block_n = min(next_power_of_2(n), 1024)
     block_m = max(1, TILE // block_n)
     return block_m, block_n, 8 if block_m * block_n >= 4096 else 4
+
+
+# Set by `tachyon.profiling.launch_stub.StubLaunches`: CPU tensors stand for a GPU with this many
+# SMs (launchers take their GPU branches, whose host time is then measured).
+STUB_SMS: int | None = None
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int | None:
+    """The number of SMs of a CUDA ``device`` (cached: the device-properties query costs
+    microseconds of host time per call); None for other devices, unless STUB_SMS stands in."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        count = _SM_COUNTS.get(index)
+        if count is None:
+            count = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return count
+    return STUB_SMS
+
+
+def gpu_sms(device: torch.device) -> int | None:
+    """SMs of the GPU the launch sizes are for: the device's own, INTERPRETER_AS_SMS under the
+    interpreter, or None (the interpreter's small grids)."""
+    if device.type == "cuda":
+        return _SM_COUNTS.get(device.index) or sm_count(device)
+    return STUB_SMS or INTERPRETER_AS_SMS
 
 
 def max_programs(device: torch.device) -> int:
     """How many programs fill ``device``: 8 per SM on a GPU, 4 under the interpreter (8 per SM of
     ``INTERPRETER_AS_SMS`` when set)."""
-    if device.type == "cuda":
-        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 8 * INTERPRETER_AS_SMS if INTERPRETER_AS_SMS else 4
+    sms = gpu_sms(device)
+    return 8 * sms if sms else 4
 
 
 MIN_ROWS_PER_PARTIAL = 8  # row_programs: rows a program sums before one more program (one more partial row) pays
@@ -49,10 +81,10 @@ def row_programs(m: int, device: torch.device, interpreter_programs: int) -> int
     (512 rows on an H100: 132 programs, not 512, whose partial sums would move as many bytes as
     the gradient itself.) Under the interpreter: ``interpreter_programs``, or the GPU's grid of
     ``INTERPRETER_AS_SMS``."""
-    if device.type != "cuda" and not INTERPRETER_AS_SMS:
+    sms = gpu_sms(device)
+    if not sms:
         return max(1, min(m, interpreter_programs))
-    sms = max_programs(device) // 8
-    return max(1, min(m, max(sms, min(4 * sms, triton.cdiv(m, MIN_ROWS_PER_PARTIAL)))))
+    return max(1, min(m, max(sms, min(4 * sms, cdiv(m, MIN_ROWS_PER_PARTIAL)))))
 
 
 def row_split(m: int, block_m: int, col_blocks: int, device: torch.device) -> tuple[int, int]:
@@ -61,18 +93,19 @@ def row_split(m: int, block_m: int, col_blocks: int, device: torch.device) -> tu
     writes one fp32 partial row, so on a GPU (or the interpreter with INTERPRETER_AS_SMS) row
     programs beyond filling the SMs are added only while each keeps MIN_ROWS_PER_PARTIAL rows
     (see :func:`row_programs`), up to 8 programs per SM in all."""
-    blocks = triton.cdiv(m, block_m)
-    if device.type != "cuda" and not INTERPRETER_AS_SMS:
-        programs = max(1, min(blocks, triton.cdiv(max_programs(device), col_blocks)))
+    blocks = cdiv(m, block_m)
+    sms = gpu_sms(device)
+    if not sms:
+        programs = max(1, min(blocks, cdiv(max_programs(device), col_blocks)))
     else:
-        sms = max_programs(device) // 8
-        wanted = max(triton.cdiv(sms, col_blocks),
-                     min(triton.cdiv(8 * sms, col_blocks), triton.cdiv(m, MIN_ROWS_PER_PARTIAL)))
+        wanted = max(cdiv(sms, col_blocks),
+                     min(cdiv(8 * sms, col_blocks), cdiv(m, MIN_ROWS_PER_PARTIAL)))
         programs = max(1, min(blocks, wanted))
-    rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
-    return triton.cdiv(m, rows_per_program), rows_per_program
+    rows_per_program = cdiv(cdiv(m, programs), block_m) * block_m
+    return cdiv(m, rows_per_program), rows_per_program
 
 
+@fast_launch
 @triton.jit
 def _sum_partials_kernel(
     PART, OUT0, OUT1, OUT2, P, N, stride_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -101,11 +134,11 @@ def sum_block_n(n: int, groups: int, device: torch.device) -> int:
     row): with 1024 columns per program, as under the interpreter, a 1024-wide LayerNorm's two
     partial buffers were summed by 2 programs on 2 of 132 SMs. Under the interpreter, few wide
     programs (each program costs milliseconds)."""
-    widest = min(triton.next_power_of_2(n), 1024)
-    if device.type != "cuda" and not INTERPRETER_AS_SMS:
+    widest = min(next_power_of_2(n), 1024)
+    sms = gpu_sms(device)
+    if not sms:
         return widest
-    sms = max_programs(device) // 8
-    return max(min(32, widest), min(widest, triton.next_power_of_2(triton.cdiv(n * groups, sms))))
+    return max(min(32, widest), min(widest, next_power_of_2(cdiv(n * groups, sms))))
 
 
 def partials(programs: int, groups: int, n: int, device: torch.device) -> torch.Tensor:
@@ -127,9 +160,9 @@ def sum_partials(part: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Te
     if n == 0:
         return outs
     block_n = sum_block_n(n, groups, part.device)
-    block_p = min(triton.next_power_of_2(p), max(1, TILE // block_n))
+    block_p = min(next_power_of_2(p), max(1, TILE // block_n))
     pad = outs + [outs[0]] * (3 - groups)
-    _sum_partials_kernel[(triton.cdiv(n, block_n), groups)](
+    _sum_partials_kernel[(cdiv(n, block_n), groups)](
         part, *pad, p, n, part.stride(0), BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
     )
     return outs

@@ -17,21 +17,43 @@ the first host is the master, and this machine's node rank is the index of its h
 (``socket.gethostname()``, full or short name), unless --node-rank is given.
 
 In each process, ``tachyon.init_distributed()`` reads the variables torchrun sets.
+
+Signals (`run_torchrun`, also used by ``tachyon train``): torchrun runs in a process group of
+its own, and SIGINT / SIGTERM / SIGHUP sent to this process (Ctrl-C, ``kill``, ``docker stop``,
+Kubernetes) are forwarded to it; torchrun then sends the same signal to the workers, waits for
+them (30 s, then SIGKILL) and exits, and this process waits for torchrun before it returns, so no
+process outlives it. SIGUSR1 / SIGUSR2 (SLURM's ``--signal``), which torchrun does not handle,
+go to the workers themselves. Should this process be killed outright (SIGKILL), torchrun gets
+SIGTERM from the kernel (Linux ``PR_SET_PDEATHSIG``). A worker that saved a checkpoint on the
+signal (the ``preemption`` config section, `tachyon.engine.preemption`) records it in the file
+named by ``TACHYON_PREEMPTION_FILE``; the launcher then prints the step and the checkpoint and
+returns the section's exit code (75 by default) instead of torchrun's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MASTER_PORT = 29500
+PREEMPTION_FILE_ENV = "TACHYON_PREEMPTION_FILE"
+"""Where rank 0 records a save on preemption (`tachyon.engine.preemption`); set by `run_torchrun`."""
+FORWARDED_TO_TORCHRUN = ("SIGINT", "SIGTERM", "SIGHUP")
+"""Signals torchrun handles itself (it passes them on to the workers)."""
+FORWARDED_TO_WORKERS = ("SIGUSR1", "SIGUSR2")
+"""Signals torchrun does not handle (they would kill it): sent to its workers directly."""
 
 
 @dataclass(frozen=True)
@@ -188,13 +210,126 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Print what was inferred and the command, then run it; returns torchrun's exit code.
+def check_script(script: str) -> None:
+    """ValueError when ``script`` is not a readable file (before torchrun starts N processes that
+    would each fail on it)."""
+    path = Path(script)
+    if not path.exists():
+        raise ValueError(f"script not found: {script!r} (the file each process runs)")
+    if not path.is_file():
+        raise ValueError(f"script {script!r} is not a file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"script {script!r} is not readable")
 
-    A bad argument combination prints the error and returns 2 (argparse's usage-error code).
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM to it when the launcher dies, even by SIGKILL (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux /proc; empty elsewhere)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def read_preemption_record(path: str | Path) -> dict[str, Any] | None:
+    """The last record a worker wrote to ``path`` (``TACHYON_PREEMPTION_FILE``), or None."""
+    try:
+        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+        return json.loads(lines[-1]) if lines else None
+    except (OSError, ValueError):
+        return None
+
+
+def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None, who: str = "tachyon launch") -> int:
+    """Run the torchrun command ``cmd`` and wait for it, forwarding signals (module docstring).
+
+    Returns the preemption exit code when a worker saved on a signal, 128 + the signal number
+    when a forwarded signal stopped the job otherwise (the shell's convention), else torchrun's
+    exit code. A repeated signal is passed on again (torchrun and the workers take a second
+    SIGTERM or SIGINT as "stop now")."""
+    env = dict(os.environ if env is None else env)
+    fd, record = tempfile.mkstemp(prefix="tachyon-preemption-", suffix=".jsonl")
+    os.close(fd)
+    env[PREEMPTION_FILE_ENV] = record
+    received: list[int] = []
+    running: list[subprocess.Popen] = []
+
+    def deliver(signum: int) -> None:
+        proc = running[0]
+        name = signal.Signals(signum).name
+        if name in FORWARDED_TO_WORKERS:
+            workers = _children(proc.pid)
+            print(f"{who}: {name} received: passing it to the {len(workers)} worker process(es)", file=sys.stderr,
+                  flush=True)
+            targets = workers
+        else:
+            print(f"{who}: {name} received: passing it to torchrun (pid {proc.pid}), which stops the workers; "
+                  "waiting for it", file=sys.stderr, flush=True)
+            targets = [proc.pid]
+        for pid in targets:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def forward(signum: int, frame: Any) -> None:
+        del frame
+        received.append(signum)
+        if running:
+            deliver(signum)
+
+    previous: dict[int, Any] = {}
+    try:
+        for name in (*FORWARDED_TO_TORCHRUN, *FORWARDED_TO_WORKERS):
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                previous[sig] = signal.signal(sig, forward)
+        posix = os.name == "posix"
+        running.append(subprocess.Popen(list(cmd), env=env, start_new_session=posix,
+                                        preexec_fn=_die_with_parent if posix else None))
+        for signum in list(received):  # arrived while torchrun was starting
+            deliver(signum)
+        code = running[0].wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        saved = read_preemption_record(record)
+        Path(record).unlink(missing_ok=True)
+    if saved is not None:
+        print(f"{who}: the job stopped on {saved.get('signal')} after step {saved.get('step')} and saved "
+              f"{saved.get('checkpoint')}; exit code {saved.get('exit_code')} (torchrun's: {code}); resume from "
+              "that checkpoint", file=sys.stderr, flush=True)
+        return int(saved.get("exit_code", 75))
+    if received and code != 0:
+        return 128 + received[0]
+    return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print what was inferred and the command, then run it (`run_torchrun`); returns torchrun's
+    exit code (or the preemption exit code, or 128 + a signal that stopped it).
+
+    A bad argument combination or a missing script prints the error and returns 2 (argparse's
+    usage-error code).
     """
     try:
         plan = plan_launch(args)
+        if not args.dry_run:
+            check_script(args.script)
     except ValueError as error:
         print(f"tachyon launch: error: {error}", file=sys.stderr)
         return 2
@@ -204,11 +339,7 @@ def run(args: argparse.Namespace) -> int:
     print(shlex.join(cmd), flush=True)
     if args.dry_run:
         return 0
-    try:
-        code = subprocess.call(cmd)
-    except KeyboardInterrupt:  # torchrun got the same SIGINT and stops its workers
-        return 130
-    return 128 - code if code < 0 else code  # killed by a signal: the shell's convention
+    return run_torchrun(cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

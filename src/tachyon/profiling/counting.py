@@ -21,7 +21,9 @@ The rules (docs/flops_profiler.md has the table with examples):
   The softmax inside a fused attention kernel is not counted (DeepSpeed's and torch's rule).
 - Non-GEMM ops count FLOPs only (0 MACs), per element of their output (DeepSpeed's per-element
   rules where it has one): elementwise arithmetic (add, mul, div, exp, rsqrt, ...) and
-  activations (gelu, relu, silu, tanh, ...) 1; addcmul / addcdiv / lerp 2; softmax 1; dropout 1
+  activations (gelu, relu, silu, tanh, ...) 1; addcmul / addcdiv / lerp 2; softmax 1 (log_softmax
+  and the losses built on it, cross entropy and NLL, count 0 in the forward, as DeepSpeed counts
+  them: a model that returns its loss profiles to DeepSpeed's numbers); dropout 1
   (the scaling multiply); LayerNorm / GroupNorm / BatchNorm 5 with an affine weight, 4 without;
   RMSNorm 4 with a weight, 3 without; sum / mean 1 per input element, var / std 3.
   The backward kernel of a norm, softmax, activation or dropout counts twice its forward.
@@ -177,7 +179,7 @@ def _aten_table() -> dict[Any, Callable[..., Count]]:
     put(_ACTIVATION_BACKWARDS, _per_output(2))
     put(("glu",), _per_output(2))
     put(("glu_backward",), _per_output(4))
-    put(("_softmax", "_log_softmax", "_safe_softmax"), _per_output(1))
+    put(("_softmax", "_safe_softmax"), _per_output(1))  # not _log_softmax: see the module docstring
     put(("_softmax_backward_data", "_log_softmax_backward_data"), _per_output(2))
     put(("native_dropout",), _per_output(1))
     put(("native_dropout_backward",), _per_output(2))

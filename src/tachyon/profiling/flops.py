@@ -120,6 +120,8 @@ class FlopsProfiler:
         self._mode: CountingMode | None = None
         self._handles: list[Any] = []
         self._stack: list[tuple[nn.Module, float]] = []
+        self.flops = self.macs = self.params = 0
+        """The totals when profiling last stopped (DeepSpeed's attributes; they outlive end_profile)."""
         self.reset_profile()
 
     # ------------------------------------------------------------------ DeepSpeed's API
@@ -149,7 +151,10 @@ class FlopsProfiler:
         self.started = True
 
     def stop_profile(self) -> None:
-        """Stop counting and remove the hooks; the numbers stay readable."""
+        """Stop counting and remove the hooks; the numbers stay readable (and are kept in
+        ``flops`` / ``macs`` / ``params``)."""
+        if self.started:
+            self.flops, self.macs, self.params = self.get_total_flops(), self.get_total_macs(), self.get_total_params()
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)

@@ -7,7 +7,7 @@ digits with a K / M / G / T unit), so scripts that parse DeepSpeed's strings kee
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -59,6 +59,16 @@ def _percent(part: float, whole: float) -> str:
     return f"{100.0 * part / whole:.2f}%" if whole else "0.00%"
 
 
+def _data_parallel_size(engine: Any) -> int:
+    """The engine's data-parallel size: ``dp_world_size``, else (DeepSpeed with Ulysses sequence
+    parallelism reports None there) ``seq_dp_world_size``, else tachyon's ``data_parallel_world_size``."""
+    for name in ("dp_world_size", "seq_dp_world_size", "data_parallel_world_size"):
+        value = getattr(engine, name, None)
+        if value is not None:
+            return value
+    return 1
+
+
 def _rate(flops: float, seconds: float) -> str:
     return flops_to_string(flops / seconds) if seconds > 0 else "n/a"
 
@@ -83,9 +93,10 @@ def _summary(prof: FlopsProfiler, profile_step: int) -> list[str]:
     rows: list[tuple[str, str]] = []
     timings, engine = prof.step_timings, prof.ds_engine
     if engine is not None:
-        rows += [("data parallel size", str(getattr(engine, "data_parallel_world_size", 1))),
-                 ("micro batch size per rank", str(engine.train_micro_batch_size_per_gpu())),
-                 ("gradient accumulation steps", str(engine.gradient_accumulation_steps()))]
+        rows += [("data parallel size", str(_data_parallel_size(engine))),
+                 ("micro batch size per rank", str(engine.train_micro_batch_size_per_gpu()))]
+        if hasattr(engine, "gradient_accumulation_steps"):
+            rows.append(("gradient accumulation steps", str(engine.gradient_accumulation_steps())))
     rows += [("params per rank", params_to_string(count_params(prof.model))),
              ("fwd MACs per rank", macs_to_string(fwd_macs)),
              ("fwd FLOPs per rank", number_to_string(fwd_flops)),

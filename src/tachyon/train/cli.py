@@ -4,6 +4,7 @@
     tachyon train --model gpt                   the GPT job
     tachyon train examples/train_ci.json        another config
     tachyon train CONFIG --resume               continue from the latest checkpoint of the run
+    tachyon train CONFIG --resume --steps 900 --reschedule   go on to 900 steps, lr schedule stretched
     tachyon train CONFIG --steps 600 --nproc 1 --output-dir runs/mine --quiet
     tachyon train --pld                         progressive layer drop on (--no-pld: off, whatever CONFIG says)
     tachyon train --model gpt --tp 2 --pp 2     the GPT split 2 ways within layers and 2 ways by layers
@@ -20,6 +21,13 @@ Output directory: ``--output-dir``, else the config's ``output_dir``, else
 ``runs/<model>-<YYYYmmdd-HHMMSS>``; with ``--resume`` and neither given, the newest
 ``runs/<model>-*`` that holds checkpoints.
 
+Stopping: SIGINT / SIGTERM to the command reach torchrun and the workers (`tachyon.parallel.
+launch.run_torchrun`), and nothing outlives the command. The job saves on SIGTERM or SIGUSR1 by
+default (its engine section gets ``"preemption": {"enabled": true}``, saving into the run's
+checkpoints/; `tachyon.train.resume`): every rank finishes its step, the checkpoint is written,
+metrics.csv and validation.csv already hold every step, and the command exits with 75;
+``--resume`` continues. A resumed run that already reached its ``steps`` changes nothing.
+
 The job needs matplotlib (loss.png) and tokenizers (the BPE tokenizer): the ``train`` extra.
 Without them the command stops before any work with the ``pip install`` line that adds them.
 """
@@ -30,7 +38,6 @@ import argparse
 import importlib
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -86,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "off in the built-in jobs)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in the output dir (default: off, a new run)")
+    parser.add_argument("--reschedule", action="store_true",
+                        help="with --resume and another --steps: stretch the lr schedule over the new steps (default: "
+                             "keep the checkpoint's schedule, and say what either gives)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar, the step lines only (default: a bar when stderr is a terminal)")
     parser.add_argument("--quiet", action="store_true",
@@ -149,7 +159,7 @@ def launch_command(args: argparse.Namespace, nproc: int, output_dir: Path) -> li
     for flag in ("tp", "pp", "fp8"):
         if getattr(args, flag, None) is not None:
             cmd += [f"--{flag}", str(getattr(args, flag))]
-    for flag in ("resume", "no_progress", "quiet"):
+    for flag in ("resume", "reschedule", "no_progress", "quiet"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
     return cmd
@@ -192,19 +202,24 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(shlex.join(cmd), flush=True)
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # silences torchrun's note
-        try:
-            code = subprocess.call(cmd, env=env)
-        except KeyboardInterrupt:
-            return 130
-        return 128 - code if code < 0 else code
+        from tachyon.train.helpers import usable_cpus
+
+        env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // nproc)))  # silences torchrun's note
+        from tachyon.parallel.launch import run_torchrun
+
+        return run_torchrun(cmd, env, who="tachyon train")  # signals forwarded; no process outlives this one
+    from tachyon.engine.preemption import Preempted
     from tachyon.parallel.distributed import shutdown_distributed
     from tachyon.train.run import train
 
     try:
-        train(config, output_dir, resume=args.resume, output=_output_mode(args))
+        train(config, output_dir, resume=args.resume, output=_output_mode(args),
+              reschedule=getattr(args, "reschedule", False))
     except ConfigError as error:
         print(f"tachyon train: error: {error}", file=sys.stderr)
         return 2
+    except Preempted as stop:  # saved; metrics.csv and validation.csv hold every step so far
+        shutdown_distributed()
+        return int(stop.code)
     shutdown_distributed()  # every rank is done: barrier, then the process groups are destroyed
     return 0

@@ -248,9 +248,12 @@ def load_train_config(source: str | Path | dict[str, Any] | None = None, *, mode
         if not path.is_file():
             raise ConfigError(f"config file not found: {str(path)!r}")
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as error:
             raise ConfigError(f"{path}: not valid JSON ({error})") from None
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason}); save the JSON as "
+                              "UTF-8") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a JSON object, got {type(raw).__name__}")
     raw.update({k: v for k, v in {"model": model, **overrides}.items() if v is not None})

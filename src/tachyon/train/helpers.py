@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from tachyon.data import collate
 
 __all__ = ["Checkpointer", "epoch_loader", "mean_over_ranks", "memory_per_rank", "or_nan", "rank_and_world",
-           "rank_seed", "reseed_kernel_dropout", "set_threads"]
+           "rank_seed", "reseed_kernel_dropout", "set_threads", "usable_cpus"]
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -47,12 +47,33 @@ def mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
     return (tensor / dist.get_world_size()).tolist()
 
 
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cpus(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """The CPUs this process may run on: its affinity mask, capped by a cgroup (v2) CPU quota
+    (a container limited to 2 CPUs on a 64-core host has 2, where ``os.cpu_count()`` says 64)."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            count = min(count, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, count)
+
+
 def set_threads(threads_per_process: int | None, world: int) -> None:
-    """torch intra-op threads on CPU: ``threads_per_process``, else the cores shared by the local ranks."""
+    """torch intra-op threads on CPU: ``threads_per_process``, else the usable CPUs (`usable_cpus`)
+    shared by the local ranks. The thread count changes how reductions are split, so it is one
+    of the things a run's numbers depend on (summary.txt records it)."""
     if torch.cuda.is_available():
         return
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    torch.set_num_threads(threads_per_process or max(1, (os.cpu_count() or 1) // max(local_world, 1)))
+    torch.set_num_threads(threads_per_process or max(1, usable_cpus() // max(local_world, 1)))
 
 
 def epoch_loader(dataset: Any, sampler: Any, epoch: int, skip_batches: int, micro_batch: int) -> DataLoader:

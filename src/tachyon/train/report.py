@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["METRIC_COLUMNS", "VALIDATION_COLUMNS", "final_table", "read_metrics", "summary_text", "time_to_loss",
-           "write_rows"]
+__all__ = ["METRIC_COLUMNS", "VALIDATION_COLUMNS", "RunLog", "final_table", "read_metrics", "summary_text",
+           "time_to_loss", "write_rows"]
 
 METRIC_COLUMNS = ("step", "loss", "lr", "grad_norm", "loss_scale", "samples_per_s", "tokens_per_s", "step_time_s",
                   "cpu_s")
@@ -42,8 +42,39 @@ def write_rows(path: Path, rows: list[dict[str, float]], first_step: int,
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         for row in table:
-            writer.writerow({k: (row[k] if k == "step" else f"{row.get(k, math.nan):.6g}") for k in columns})
+            writer.writerow(_formatted(row, columns))
     return table
+
+
+class CsvLog:
+    """One CSV file written row by row (flushed after each), so a run that is killed keeps every
+    row written so far. Opening it keeps the existing rows of steps before ``first_step`` (a run
+    resumed from an older checkpoint drops the later ones, which it is about to redo) and rewrites
+    them under ``columns`` (a column an earlier row lacks: nan)."""
+
+    def __init__(self, path: Path, first_step: int, columns: tuple[str, ...]) -> None:
+        self.path, self.columns = path, columns
+        write_rows(path, [], first_step, columns)
+
+    def append(self, row: dict[str, float]) -> None:
+        with self.path.open("a", newline="") as handle:
+            csv.DictWriter(handle, fieldnames=self.columns).writerow(_formatted(row, self.columns))
+            handle.flush()
+
+    def table(self) -> list[dict[str, float]]:
+        return read_metrics(self.path)
+
+
+class RunLog:
+    """metrics.csv and validation.csv of a run (`CsvLog` each; rank 0 only)."""
+
+    def __init__(self, output_dir: Path, first_step: int, columns: tuple[str, ...] = METRIC_COLUMNS) -> None:
+        self.metrics = CsvLog(output_dir / "metrics.csv", first_step, columns)
+        self.validation = CsvLog(output_dir / "validation.csv", first_step, VALIDATION_COLUMNS)
+
+
+def _formatted(row: dict[str, float], columns: tuple[str, ...]) -> dict[str, Any]:
+    return {k: (row[k] if k == "step" else f"{row.get(k, math.nan):.6g}") for k in columns}
 
 
 def _mean(values: list[float]) -> float:

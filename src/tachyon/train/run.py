@@ -59,9 +59,9 @@ from tachyon.train.helpers import (
 )
 from tachyon.train.models import GPT, BertMLM, count_parameters
 from tachyon.train.plot import plot_training
-from tachyon.train.report import (
-    METRIC_COLUMNS, VALIDATION_COLUMNS, final_table, read_metrics, summary_text, write_rows,
-)
+from tachyon.engine.preemption import Preempted
+from tachyon.train.report import METRIC_COLUMNS, RunLog, final_table, read_metrics, summary_text
+from tachyon.train.resume import checkpoint_position, default_preemption, finished_note, schedule_note
 
 __all__ = ["OUTPUT_MODES", "TrainResult", "build_model", "pipeline_model", "read_metrics", "train", "whole_model"]
 
@@ -81,6 +81,8 @@ class TrainResult:
     validation: Evaluation | None = None
     baseline: Evaluation | None = None
     checkpoints: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What the run said about itself at the start (resume, schedule changes)."""
 
     @property
     def validation_loss(self) -> float | None:
@@ -160,19 +162,22 @@ class _Console:
             self.bar = None
 
 
-def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, output: str = "bar") -> TrainResult:
+def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, output: str = "bar",
+          reschedule: bool = False) -> TrainResult:
     """Run (or continue, with ``resume``) the training job ``config`` describes in this process.
 
     Under torchrun every rank calls this; torch.distributed is started by ``tachyon.initialize``.
     Files go to ``output_dir`` (created): checkpoints/, metrics.csv, validation.csv, loss.png,
-    summary.txt. ``output``: "bar", "lines" or "quiet" (module docstring). Returns this process's
-    :class:`TrainResult`."""
+    summary.txt. ``output``: "bar", "lines" or "quiet" (module docstring). ``reschedule``: at a
+    resume with another ``steps``, stretch the lr schedule over them (`tachyon.train.resume`).
+    Returns this process's :class:`TrainResult`; raises `tachyon.engine.preemption.Preempted`
+    (exit code 75) after saving when a preemption signal stopped the run."""
     output_dir = Path(output_dir)
     started = time.perf_counter()
     rank, world = rank_and_world()
     set_threads(config.threads_per_process, world)
     precision = config.training_precision(tachyon.capabilities()["bf16"].available)
-    engine_config = config.engine_config(precision)
+    engine_config = default_preemption(config.engine_config(precision), output_dir)
     # checked (and the micro-batch resolved) before any work: a bad engine section fails fast
     checked = load_config(engine_config, world)
     micro_batch = checked.train_micro_batch_size_per_gpu
@@ -221,6 +226,13 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
             epoch, batches_in_epoch = int(state.get("epoch", 0)), int(state.get("batches_in_epoch", 0))
             reseed_kernel_dropout(model, rank_seed(config.seed, rank))
             notes.append(f"resumed from step {engine.global_steps} (epoch {epoch}, micro-batch {batches_in_epoch})")
+            notes += [n for n in (schedule_note(engine, state, config.steps, reschedule),) if n]
+            finished = finished_note(engine, config.steps, output_dir)
+            if finished is not None:  # a finished run stays as it is
+                if rank == 0:
+                    print(f"tachyon train: {finished}", flush=True)
+                engine.destroy()
+                return TrainResult(engine.global_steps + 1, engine.global_steps, notes=[finished])
     first_step = engine.global_steps + 1
     console = _Console(output, rank, config.steps, engine.global_steps)
     for note in notes:
@@ -249,6 +261,12 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
     rows: list[dict[str, float]] = []
     evaluations: list[dict[str, float]] = []
     latest: Evaluation | None = None
+    log = RunLog(output_dir, first_step, columns) if rank == 0 else None  # rows written as they come
+
+    def position() -> dict[str, Any]:
+        return checkpoint_position(engine, epoch, batches_in_epoch, config.steps)
+
+    engine.preemption.client_state = position  # a save on SIGTERM / SIGUSR1 keeps the data position
 
     def run_evaluation(step: int) -> None:
         nonlocal latest
@@ -260,6 +278,8 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
                                   group=None if engine.mesh is None else engine.data_parallel_group)
         evaluations.append({"step": step, "loss": latest.loss, "accuracy": latest.accuracy,
                             "baseline_loss": baseline.loss, "baseline_accuracy": baseline.accuracy})
+        if log is not None:
+            log.validation.append(evaluations[-1])
         console.write(f"validation at step {step}: {latest.loss:.3f} nats/token (perplexity {latest.perplexity:.1f}), "
                       f"unigram baseline {baseline.loss:.3f} ({baseline.perplexity:.1f})")
         telemetry.restart_window()  # the evaluation is not the next step's time
@@ -270,26 +290,30 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
     cpu = _CpuClock()
     theta = None
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # a pipeline step's micro-batches so far
-    while engine.global_steps < config.steps:
+    preempted: Preempted | None = None
+    while engine.global_steps < config.steps and preempted is None:
         for batch in epoch_loader(train_set, sampler, epoch, batches_in_epoch, micro_batch):
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             batches_in_epoch += 1
-            if pp > 1:  # the schedule runs the step's micro-batches itself: one call per step
-                pending.append((batch["input_ids"], batch["labels"]))
-                if len(pending) < engine.gradient_accumulation_steps():
-                    continue
-                engine.train_batch(iter(pending))
-                pending = []
-            else:
-                if engine.micro_steps % engine.gradient_accumulation_steps() == 0:
-                    theta = engine.get_pld_theta()  # what this step's forwards get (the engine passes it)
-                with fp8():
-                    loss = engine(**batch)
-                engine.backward(loss)
-                boundary = engine.is_gradient_accumulation_boundary()
-                engine.step()
-                if not boundary:
-                    continue
+            try:  # Preempted: the step completed and was saved; its row is still written below
+                if pp > 1:  # the schedule runs the step's micro-batches itself: one call per step
+                    pending.append((batch["input_ids"], batch["labels"]))
+                    if len(pending) < engine.gradient_accumulation_steps():
+                        continue
+                    engine.train_batch(iter(pending))
+                    pending = []
+                else:
+                    if engine.micro_steps % engine.gradient_accumulation_steps() == 0:
+                        theta = engine.get_pld_theta()  # what this step's forwards get (the engine passes it)
+                    with fp8():
+                        loss = engine(**batch)
+                    engine.backward(loss)
+                    boundary = engine.is_gradient_accumulation_boundary()
+                    engine.step()
+                    if not boundary:
+                        continue
+            except Preempted as stop:
+                preempted = stop
             stats = telemetry.last_step
             step = stats.step
             # one all-reduce: the loss (metrics.csv wants every step's, the engine averages it on print
@@ -303,11 +327,15 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
                          "step_time_s": stats.step_time_s, "cpu_s": cpu_mean * world})
             if pld is not None:
                 rows[-1]["pld_theta"] = theta
+            if log is not None:
+                log.metrics.append(rows[-1])
+            if preempted is not None:
+                break
             if step >= config.steps or (config.eval_interval and step % config.eval_interval == 0):
                 run_evaluation(step)
             console.update(loss_value, or_nan(stats.tokens_per_s), None if latest is None else latest.loss)
             if step >= config.steps or (config.checkpoint_interval and step % config.checkpoint_interval == 0):
-                checkpointer.save(step, {"epoch": epoch, "batches_in_epoch": batches_in_epoch, "step": step})
+                checkpointer.save(step, position())
                 telemetry.restart_window()  # the save is not the next step's time
                 cpu.restart()
             if step >= config.steps:
@@ -317,17 +345,21 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
             continue
         break
     console.close()
+    if preempted is not None:  # saved by the engine; metrics.csv and validation.csv hold every step so far
+        engine.destroy()
+        raise preempted
     last_step = engine.global_steps
     if last_step >= first_step:
-        checkpointer.save(last_step, {"epoch": epoch, "batches_in_epoch": batches_in_epoch, "step": last_step})
+        checkpointer.save(last_step, position())
     if latest is None:  # nothing new trained (a resume at the end): still report the model
         run_evaluation(last_step)
     memory = memory_per_rank(engine, device)
     result = TrainResult(first_step, last_step, rows if rank == 0 else [], latest, baseline, checkpointer.saved)
     whole = engine.module if engine.mesh is None else whole_model(engine, config, tokenizer.vocab_size, precision, pp)
+    result.notes = notes
     if rank == 0:
-        _finish(config, engine, tokenizer, val_set, result, rows, evaluations, memory, precision, world, n_params,
-                time.perf_counter() - started, output_dir, output, columns, pld, whole, layout)
+        _finish(config, engine, tokenizer, val_set, result, log, memory, precision, world, n_params,
+                time.perf_counter() - started, output_dir, output, pld, whole, layout)
     engine.destroy()  # closes the monitor files and the engine's data-parallel group
     return result
 
@@ -389,6 +421,16 @@ def whole_model(engine: Any, config: TrainConfig, vocab_size: int, precision: st
     return model.to(engine.device)
 
 
+def _numerics(device: torch.device) -> str:
+    """What a run's numbers depend on beyond the code and the config: the torch build and, on CPU,
+    the vector ISA torch's kernels use and the intra-op threads (they change the order of
+    floating-point sums; the machine's load does not: docs/reliability.md)."""
+    if device.type != "cpu":
+        return f"numerics: torch {torch.__version__}, {torch.cuda.get_device_name(device)}"
+    return (f"numerics: torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} intra-op thread(s) per process")
+
+
 def _samples(config: TrainConfig, model: Any, tokenizer: Any, val_set: Any, device: torch.device) -> list[str]:
     """The fill-mask predictions (BERT) or generated lines (GPT) for summary.txt."""
     if config.examples == 0:
@@ -421,17 +463,17 @@ def _speaker_prompts(count: int) -> list[str]:
     return prompts
 
 
-def _finish(config: TrainConfig, engine: Any, tokenizer: Any, val_set: Any, result: TrainResult,
-            rows: list[dict[str, float]], evaluations: list[dict[str, float]], memory: list[dict[str, float]],
-            precision: str, world: int, n_params: int, wall_s: float, output_dir: Path, output: str,
-            columns: tuple[str, ...] = METRIC_COLUMNS, pld: Any = None, model: Any = None, layout: str = "") -> None:
-    """Rank 0's end of the run: the CSVs, loss.png, summary.txt, and the table and summary printed.
-    ``columns``: metrics.csv's; ``pld``: the engine config's progressive_layer_drop section when it is on;
-    ``model``: the whole trained model for the samples (default: ``engine.module``); ``layout``: the
-    parallel layout's words for the job line."""
+def _finish(config: TrainConfig, engine: Any, tokenizer: Any, val_set: Any, result: TrainResult, log: RunLog,
+            memory: list[dict[str, float]], precision: str, world: int, n_params: int, wall_s: float, output_dir: Path,
+            output: str, pld: Any = None, model: Any = None, layout: str = "") -> None:
+    """Rank 0's end of the run: loss.png and summary.txt from the whole metrics.csv and
+    validation.csv (``log``: written as the run went), and the table and summary printed.
+    ``pld``: the engine config's progressive_layer_drop section when it is on; ``model``: the
+    whole trained model for the samples (default: ``engine.module``); ``layout``: the parallel
+    layout's words for the job line."""
     model = engine.module if model is None else model
-    metrics = write_rows(output_dir / "metrics.csv", rows, result.first_step, columns)
-    validation = write_rows(output_dir / "validation.csv", evaluations, result.first_step, VALIDATION_COLUMNS)
+    rows = result.rows
+    metrics, validation = log.metrics.table(), log.validation.table()
     if metrics:
         plot_training(output_dir / "loss.png", metrics, validation=[(int(v["step"]), v["loss"]) for v in validation],
                       baseline=result.baseline.loss,
@@ -448,6 +490,7 @@ def _finish(config: TrainConfig, engine: Any, tokenizer: Any, val_set: Any, resu
         f"{engine.zero_optimization_stage()}, global batch {engine.train_batch_size()} "
         f"(micro-batch {engine.train_micro_batch_size_per_gpu()} x {engine.gradient_accumulation_steps()} "
         f"accumulation x {engine.data_parallel_world_size} data-parallel ranks)",
+        _numerics(engine.device),
         f"steps: {result.last_step} of {config.steps} (this run: "
         + (f"{result.first_step}-{result.last_step}" if result.last_step >= result.first_step else "no new steps")
         + f"), wall time {wall_s:.1f} s",
@@ -466,7 +509,8 @@ def _finish(config: TrainConfig, engine: Any, tokenizer: Any, val_set: Any, resu
         job.append(f"progressive layer drop: theta {pld.theta:g}, gamma {pld.gamma:g}; keep ratio {thetas[0][1]:.3f} "
                    f"at step {thetas[0][0]} -> {thetas[-1][1]:.3f} at step {thetas[-1][0]} (layer l of "
                    f"{config.num_layers} runs with probability 1 - l/{config.num_layers} * (1 - keep ratio))")
-    job.append(f"skipped steps (fp16 overflow): {int(getattr(engine, 'skipped_steps', 0))}")
+    job.append(f"skipped steps (fp16 overflow or a non-finite gradient): {int(getattr(engine, 'skipped_steps', 0))}")
+    job += [f"note: {note}" for note in result.notes]
     checked = {"model": result.validation, "baseline": result.baseline,
                "what": "every scored token replaced by [MASK]" if config.model == "bert" else "next-token prediction"}
     saved = ", ".join(result.checkpoints) or "nothing new"

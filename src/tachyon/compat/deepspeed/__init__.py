@@ -15,7 +15,8 @@
 | DeepSpeedTransformerConfig/Layer   | tachyon.nn.TransformerKernelConfig/Layer (the config |
 |                                    | with max_seq_length optional, as in DeepSpeed's API) |
 | checkpointing                      | tachyon.checkpointing (activation checkpointing)     |
-| PipelineModule, LayerSpec, ...     | tachyon.parallel.pipeline (when it exists)           |
+| PipelineModule, LayerSpec, ...     | tachyon.parallel.pipeline (compat.deepspeed.pipe)    |
+| __version__                        | the DeepSpeed release the API follows (0.19.6)       |
 | zero, comm, pipe, ops, profiling,  | submodules of this package                           |
 | module_inject, runtime             |                                                      |
 """
@@ -27,14 +28,13 @@ import importlib
 from tachyon.compat._names import Target, module_getattr, unsupported
 from tachyon.compat.deepspeed.arguments import add_config_arguments
 
-_PIPELINE = ("pipeline parallelism is not in this version of tachyon (it will be tachyon.parallel.pipeline); "
-             "train with data parallelism and ZeRO stages 0-2 meanwhile")
+__version__ = "0.19.6"
+"""The DeepSpeed release whose API this compatibility layer follows (commit edaa722), for scripts
+and integrations that check ``deepspeed.__version__``; tachyon's own is ``tachyon.__version__``."""
+__version_major__, __version_minor__, __version_patch__ = (int(part) for part in __version__.split("."))
+
 _INFERENCE = ("the inference engine is not in this version of tachyon (it will be tachyon.init_inference, "
               "tachyon.inference); for now run the trained model itself under torch.no_grad()")
-
-
-def pipeline_target(name: str) -> Target:
-    return Target((("tachyon.parallel.pipeline", name), ("tachyon.parallel", name)), _PIPELINE)
 
 
 def inference_target(name: str) -> Target:
@@ -44,18 +44,20 @@ def inference_target(name: str) -> Target:
 _TABLE: dict[str, Target] = {
     "initialize": Target((("tachyon", "initialize"),)),
     "DeepSpeedEngine": Target((("tachyon", "Engine"),)),
-    "init_distributed": Target((("tachyon", "init_distributed"),)),
+    "init_distributed": Target((("tachyon.compat.deepspeed.comm", "init_distributed"),)),
+    "DeepSpeedConfig": Target((("tachyon.compat.deepspeed.runtime.config", "DeepSpeedConfig"),)),
+    "DeepSpeedConfigError": Target((("tachyon.config", "ConfigError"),)),
     "init_inference": Target((("tachyon.compat.deepspeed.inference", "init_inference"),)),
     "InferenceEngine": inference_target("InferenceEngine"),
     "DeepSpeedTransformerConfig": Target((("tachyon.compat.deepspeed.ops.transformer", "DeepSpeedTransformerConfig"),)),
     "DeepSpeedTransformerLayer": Target((("tachyon.nn", "TransformerKernelLayer"),)),
     "checkpointing": Target((("tachyon.engine.activation_checkpointing", None),)),
-    "PipelineModule": pipeline_target("PipelineModule"),
+    "PipelineModule": Target((("tachyon.compat.deepspeed.pipe", "PipelineModule"),)),
     "OnDevice": unsupported("building a model directly on the meta device or partitioned (ZeRO-3) is not "
                             "implemented by tachyon; build it normally (tachyon.initialize moves it)"),
     "DeepSpeedHybridEngine": unsupported("the RLHF hybrid engine is not implemented by tachyon"),
 }
-_SUBMODULES = ("comm", "module_inject", "ops", "pipe", "profiling", "runtime", "zero")
+_SUBMODULES = ("accelerator", "comm", "module_inject", "ops", "pipe", "profiling", "runtime", "utils", "zero")
 
 
 def _submodules() -> list[str]:
@@ -75,4 +77,4 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_TABLE, *_SUBMODULES})
 
 
-__all__ = ["add_config_arguments", *_TABLE]
+__all__ = ["__version__", "add_config_arguments", *_TABLE]

@@ -117,43 +117,99 @@ def build_meta(engine, tag: str, world_size: int, tables: list[dict[str, Any]] |
     }
 
 
+_INT, _STR, _DICT, _LIST, _BOOL = int, str, dict, list, bool
+_META_KEYS: dict[str, Any] = {
+    "version": _INT, "tag": _STR, "world_size": _INT, "zero_stage": _INT, "precision": _STR,
+    "gradient_accumulation_steps": _INT, "global_steps": _INT, "micro_steps": _INT, "skipped_steps": _INT,
+    "precision_state": _DICT, "params": _LIST, "model_keys": _DICT, "optimizer": _DICT, "has_scheduler": _BOOL,
+}
+"""meta.json's keys a load reads, and their JSON types (checked before anything changes)."""
+
+
 def parse_meta(text: str, path) -> dict[str, Any]:
+    """meta.json parsed, with every key a load reads present and of the right type (CheckpointError
+    naming the file and the key otherwise): a load reads nothing it has not checked."""
     try:
         meta = json.loads(text)
     except ValueError as error:
         raise CheckpointError(f"{path} is not valid JSON ({error})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not tachyon checkpoint metadata")
+    check_meta_schema(meta, path)
     return meta
 
 
+def _bad(path, key: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{path}: {key} {what}; the file does not describe a checkpoint this tachyon can load "
+                           "(nothing was changed)")
+
+
+def _is(value: Any, kind: type) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def check_meta_schema(meta: dict, path) -> None:
+    """CheckpointError unless every key `load_checkpoint` reads is in ``meta`` with its type."""
+    for key, kind in _META_KEYS.items():
+        if key not in meta:
+            raise _bad(path, f"key {key!r}", "is missing")
+        if not _is(meta[key], kind):
+            raise _bad(path, f"key {key!r}", f"should be a JSON {kind.__name__}; got {type(meta[key]).__name__}")
+    for i, entry in enumerate(meta["params"]):
+        if not (isinstance(entry, dict) and _is(entry.get("name"), str) and _is(entry.get("group"), int)
+                and isinstance(entry.get("shape"), list) and all(_is(d, int) for d in entry["shape"])):
+            raise _bad(path, f"params[{i}]", "should be {\"name\": str, \"shape\": [int], \"group\": int, ...}")
+    for key, entry in meta["model_keys"].items():
+        if not isinstance(entry, dict) or entry.get("source") not in ("master", "model"):
+            raise _bad(path, f"model_keys[{key!r}]", "should have a source of 'master' or 'model'")
+        if entry["source"] == "model" and not (isinstance(entry.get("shape"), list) and _is(entry.get("dtype"), str)):
+            raise _bad(path, f"model_keys[{key!r}]", "should have a shape and a dtype")
+    optimizer = meta["optimizer"]
+    if not (optimizer.get("class") is None or _is(optimizer.get("class"), str)) or not isinstance(optimizer.get("groups"), list):
+        raise _bad(path, "optimizer", "should be {\"class\": str or null, \"groups\": [...]}")
+    for g, group in enumerate(optimizer["groups"]):
+        if not isinstance(group, dict) or not all(isinstance(group.get(k), dict) for k in ("options", "flat", "other", "values")):
+            raise _bad(path, f"optimizer.groups[{g}]", "should hold the dicts options, flat, other and values")
+        for key, spec in group["other"].items():
+            if not (isinstance(spec, dict) and isinstance(spec.get("shape"), list) and _is(spec.get("dtype"), str)):
+                raise _bad(path, f"optimizer.groups[{g}].other[{key!r}]", "should have a shape and a dtype")
+    if meta.get("quantize_training") is not None and not isinstance(meta["quantize_training"], dict):
+        raise _bad(path, "key 'quantize_training'", "should be a JSON object or null")
+
+
 def check_compatible(engine, meta: dict, *, optimizer: bool, module_only: bool, where,
-                     all_names: set[str] | None = None) -> None:
+                     all_names: set[str] | None = None, strict: bool = True) -> None:
     """CheckpointError when the checkpoint's parameters (or, when loading them, optimizer
     states) do not fit ``engine``. ``all_names``: the trained parameters of every rank (a
-    pipeline rank holds its stage only; default: this rank's). Runs before any state changes."""
+    pipeline rank holds its stage only; default: this rank's). ``strict`` False (DeepSpeed's
+    ``load_module_strict``): parameters and model states missing on either side are allowed
+    (the model keeps its own values for those the checkpoint lacks); shapes must still match.
+    Runs before any state changes."""
     saved = {p["name"]: p for p in meta["params"]}
     names = param_names(engine)
     everyone = set(names) if all_names is None else all_names
     missing = [n for n in names if n not in saved]
     unexpected = [n for n in saved if n not in everyone]
-    if missing or unexpected:
+    if (missing or unexpected) and strict:
         raise CheckpointError(
             f"{where} does not match the model's trained parameters: missing {missing[:5]}"
             f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
     for name, slot in zip(names, engine.zero.flat.slots):
-        if saved[name]["shape"] != full_shape(slot.param):
+        if name in saved and saved[name]["shape"] != full_shape(slot.param):
             raise CheckpointError(
                 f"{where}: parameter {name!r} has shape {tuple(saved[name]['shape'])} in the checkpoint and "
                 f"{tuple(full_shape(slot.param))} in the model"
             )
     current_keys = model_state_keys(engine)
+    left_out = bool(meta.get("exclude_frozen_parameters"))
     for key, entry in current_keys.items():
         if entry["source"] == "model" and is_extra_state(key):
             continue  # checked by the module's set_extra_state; absent from checkpoints that predate it
         if entry["source"] == "model":
             other = meta["model_keys"].get(key)
+            if other is None and (not strict or (left_out and entry.get("parameter"))):
+                continue  # the model keeps its own value
             if other is None or other["source"] != "model" or other["shape"] != entry["shape"]:
                 raise CheckpointError(f"{where}: model state {key!r} (shape {tuple(entry['shape'])}) is not in the checkpoint")
     if not optimizer or module_only or engine.optimizer is None:
@@ -167,18 +223,45 @@ def check_compatible(engine, meta: dict, *, optimizer: bool, module_only: bool, 
     if len(groups) != len(engine.zero.masters):
         raise CheckpointError(f"{where} has {len(groups)} optimizer param groups; this engine has {len(engine.zero.masters)}")
     for name, slot in zip(names, engine.zero.flat.slots):
-        if saved[name]["group"] != slot.group:
+        if name in saved and saved[name]["group"] != slot.group:
             raise CheckpointError(f"{where}: parameter {name!r} is in param group {saved[name]['group']} in the checkpoint, {slot.group} here")
 
 
-def restore_options(engine, meta: dict) -> None:
-    """Optimizer hyperparameters (lr, betas, ...) as saved; tuples stay tuples."""
-    for group, saved in zip(engine.optimizer.param_groups, meta["optimizer"]["groups"]):
+SCHEDULED_OPTIONS = ("lr", "initial_lr")
+"""Param-group keys an lr scheduler drives: restored with the scheduler's state."""
+
+
+def scheduled_options(engine) -> tuple[str, ...]:
+    """The param-group keys the engine's lr scheduler sets (OneCycle's cycled momentum too)."""
+    keys = SCHEDULED_OPTIONS
+    if getattr(engine.lr_scheduler, "cycle_momentum", False):
+        keys += ("betas", "momentum")
+    return keys
+
+
+def _same(a: Any, b: Any) -> bool:
+    norm = (lambda v: list(v) if isinstance(v, tuple) else v)
+    return norm(a) == norm(b)
+
+
+def restore_options(engine, meta: dict, *, scheduler_restored: bool) -> list[str]:
+    """The optimizer's hyperparameters after a load: the engine's own (from its config or the
+    optimizer it was given) win over the checkpoint's, except the values the lr scheduler drives
+    (lr, and OneCycle's momentum), which follow the checkpoint when ``scheduler_restored`` (the
+    scheduler's state was loaded with it). Keys only the checkpoint has (e.g. a torch scheduler's
+    ``initial_lr``) are restored. Returns every difference kept, as "group g: key saved -> now"."""
+    driven = scheduled_options(engine) if scheduler_restored else ()
+    differences = []
+    for g, (group, saved) in enumerate(zip(engine.optimizer.param_groups, meta["optimizer"]["groups"])):
         for key, value in saved["options"].items():
             value = _restore_float(value)
             if isinstance(group.get(key), tuple) and isinstance(value, list):
                 value = tuple(value)
-            group[key] = value
+            if key not in group or key in driven:
+                group[key] = value
+            elif not _same(group[key], value):
+                differences.append(f"group {g}: {key} {value!r} (checkpoint) -> {group[key]!r} (kept)")
+    return differences
 
 
 def check_client_state(value: Any, path: str = "client_state") -> None:

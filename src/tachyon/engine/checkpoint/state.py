@@ -103,6 +103,8 @@ def model_state_keys(engine) -> dict[str, dict[str, Any]]:
             out[key] = {"source": "master", "name": names[id(value)]}
         elif torch.is_tensor(value):
             out[key] = {"source": "model", "shape": full_shape(value), "dtype": dtype_name(value.dtype)}
+            if isinstance(value, torch.nn.Parameter):
+                out[key]["parameter"] = True  # a frozen parameter (exclude_frozen_parameters leaves it out)
     return out
 
 
@@ -158,8 +160,9 @@ def _gather_full(engine, tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- save
-def save_state_dict(engine, optimizer_meta: list[dict]) -> dict[str, Any]:
-    """This rank's DCP state dict (see the module docstring); ``optimizer_meta`` from `meta.py`."""
+def save_state_dict(engine, optimizer_meta: list[dict], exclude_frozen: bool = False) -> dict[str, Any]:
+    """This rank's DCP state dict (see the module docstring); ``optimizer_meta`` from `meta.py`;
+    ``exclude_frozen``: leave out frozen parameters (buffers are still written)."""
     zero, optimizer = engine.zero, engine.optimizer
     mine = pieces_of(engine, zero.rank, whole=zero.world_size == 1)
     quantizer = getattr(engine, "quantizer", None)  # MoQ: full-precision values, not the snapped model buffer
@@ -187,7 +190,7 @@ def save_state_dict(engine, optimizer_meta: list[dict]) -> dict[str, Any]:
         tp = tp_of(engine.mesh)
         state = engine.module.state_dict(keep_vars=True)
         for key, entry in model_state_keys(engine).items():
-            if entry["source"] != "model":
+            if entry["source"] != "model" or (exclude_frozen and entry.get("parameter")):
                 continue
             value = state[key]
             if shard_spec_of(value) is not None and tp is not None:
@@ -222,8 +225,11 @@ def load_targets(engine, meta: dict, *, optimizer: bool, module_only: bool) -> L
     mine = pieces_of(engine, zero.rank, whole=not sharded)
     dcp_state: dict[str, Any] = {}
     masters, flat_states, other_states, model = {}, {}, {}, {}
+    in_checkpoint = {p["name"] for p in meta["params"]}
 
     for i, (slot, name) in enumerate(zip(zero.flat.slots, param_names(engine))):
+        if name not in in_checkpoint:  # load_module_strict=False: the parameter keeps its value
+            continue
         geo = geometry(engine, slot.param, version)
 
         def target(dtype: torch.dtype) -> tuple[Any, list[torch.Tensor]]:
@@ -239,19 +245,28 @@ def load_targets(engine, meta: dict, *, optimizer: bool, module_only: bool) -> L
             for key, spec in group["other"].items():
                 t = torch.empty(spec["shape"], dtype=dtype_of(spec["dtype"]))
                 dcp_state[f"{OPTIM_GROUP}{g}/{key}"] = other_states[(g, key)] = t
+    saved = meta["model_keys"]
     for key, entry in model_state_keys(engine).items():
         if entry["source"] == "model":
             if is_extra_state(key):  # a module's own encoding: the saved shape (none in older checkpoints)
                 entry = meta["model_keys"].get(key)
                 if entry is None or entry["source"] != "model":
                     continue
+            elif key not in saved:  # a frozen parameter may have been left out
+                continue
             t = torch.empty(entry["shape"], dtype=dtype_of(entry["dtype"]), device=device)
             dcp_state[MODEL + key] = model[key] = t
     return LoadTargets(dcp_state, masters, flat_states, other_states, model, mine)
 
 
-def _fill(shape_like: torch.Tensor, pieces: list[Piece], tensors: list[torch.Tensor], dtype=None) -> torch.Tensor:
-    out = torch.zeros(shape_like.shape, dtype=dtype or shape_like.dtype, device=shape_like.device)
+def _fill(shape_like: torch.Tensor, pieces: list[Piece], tensors: list[torch.Tensor], dtype=None,
+          base: torch.Tensor | None = None) -> torch.Tensor:
+    """A new tensor like ``shape_like``: ``base`` (zeros when None) with the loaded pieces written in."""
+    dtype = dtype or shape_like.dtype
+    if base is not None and base.shape == shape_like.shape:
+        out = base.detach().to(dtype=dtype, copy=True)
+    else:
+        out = torch.zeros(shape_like.shape, dtype=dtype, device=shape_like.device)
     for p, t in zip(pieces, tensors):
         out.narrow(0, p.master_offset, p.hi - p.lo).copy_(t)
     return out
@@ -266,16 +281,17 @@ def commit(engine, meta: dict, targets: LoadTargets, *, optimizer: bool) -> None
     for i, slot in enumerate(zero.flat.slots):
         by_group.setdefault(slot.group, []).append(i)
     for g, master in enumerate(zero.masters):
-        slots = by_group.get(g, [])
+        slots = [i for i in by_group.get(g, []) if names[i] in targets.masters]  # those the checkpoint holds
         pieces = [p for i in slots for p in targets.pieces[i]]
         loaded = [t for i in slots for t in targets.masters[names[i]]]
-        master.copy_(_fill(master, pieces, loaded))
+        master.copy_(_fill(master, pieces, loaded, base=master))
         if optimizer and engine.optimizer is not None:
             saved = meta["optimizer"]["groups"][g]
+            current = engine.optimizer.state.get(master, {})
             state = {}
             for key, dtype in saved["flat"].items():
                 tensors = [t for i in slots for t in targets.flat_states[(names[i], key)]]
-                state[key] = _fill(master, pieces, tensors, dtype_of(dtype))
+                state[key] = _fill(master, pieces, tensors, dtype_of(dtype), base=current.get(key))
             for key in saved["other"]:
                 state[key] = targets.other_states[(g, key)].clone()
             state.update(saved["values"])

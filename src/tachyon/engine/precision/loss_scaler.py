@@ -12,9 +12,13 @@ it before the step. After every boundary step, `update(overflow)`:
   the scale doubles (restoring the hysteresis without ``consecutive_hysteresis``).
 
 Concretely, with iteration counter ``it`` (all boundary steps, skipped ones included) and
-``last_overflow`` the ``it`` of the latest overflow (-1 at the start), the scale doubles when
-``(it - last_overflow) % window == 0`` on a clean step: after the first ``window`` clean steps,
-then every ``window`` clean steps.
+``last_overflow`` the ``it`` of the latest overflow (-1 at the start), a clean step doubles the
+scale when ``stable = it - last_overflow - 1`` is positive and a multiple of ``window``: on the
+clean step that follows ``window`` clean steps (the ``window + 1``-th), then every ``window``
+clean steps, exactly as DeepSpeed's ``update_scale``.
+
+One deliberate difference: an overflow at ``min_scale`` keeps the scale there and skips the step
+(DeepSpeed raises by default, ``raise_error_at_min_scale``); ``engine.skipped_steps`` counts them.
 """
 
 from __future__ import annotations
@@ -87,7 +91,8 @@ class DynamicLossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.hysteresis_left = self.hysteresis
-            if (self.iteration - self.last_overflow_iteration) % self.window == 0:
+            stable = self.iteration - self.last_overflow_iteration - 1
+            if stable > 0 and stable % self.window == 0:
                 if not self.consecutive_hysteresis:
                     self.hysteresis_left = self.hysteresis
                 self.scale *= self.factor

@@ -7,15 +7,19 @@ Every precision answers the same questions:
   reduced in ``communication_data_type``, by default the model dtype, as in DeepSpeed);
 - ``needs_master_weights``: whether the optimizer steps fp32 copies of the weights (always
   true below fp32; the ZeRO strategy allocates them, flat and partitioned);
-- ``scale_loss(loss)`` before backward, ``unscale_and_check(grads, comm)`` on the fp32 master
-  gradients before the step (returns whether any rank overflowed: skip the step), and
-  ``update(overflow)`` after it;
+- ``scale_loss(loss)`` before backward; ``checks_nonfinite``: whether a non-finite gradient
+  skips the step (`tachyon.engine.nonfinite` decides it from the global gradient norm, the same
+  on every rank); ``unscale_(grads, norm)`` divides the fp32 master gradients and their norm by
+  the loss scale once the step is known to be finite; ``update(overflow)`` after the step, taken
+  or skipped; ``at_min_scale``: whether an overflow now is more than loss-scale calibration;
 - ``state_dict()`` / ``load_state_dict()`` for checkpoints.
 
-fp32: nothing to do. bf16: bf16 weights, fp32 masters, bf16 gradient accumulation by default
-(DeepSpeed's default, ``data_types.grad_accum_dtype`` unset); bf16 has fp32's exponent range,
-so no loss scaling and no overflow check. fp16: fp16 weights, fp32 masters, fp16 gradient
-accumulation by default, and a static or dynamic loss scale; an inf/nan anywhere skips the step.
+fp32: no scaling; a non-finite gradient skips the step. bf16: bf16 weights, fp32 masters, bf16
+gradient accumulation by default (DeepSpeed's default, ``data_types.grad_accum_dtype`` unset);
+bf16 has fp32's exponent range, so no loss scaling; ``bf16.check_grad_overflow`` (on by
+default) skips a step whose gradients hold an inf or nan. fp16: fp16 weights, fp32 masters, fp16
+gradient accumulation by default, and a static or dynamic loss scale; an inf/nan anywhere skips
+the step.
 
 Why bf16 accumulation is the bf16 default: with ZeRO 1/2 an fp32 accumulator is the one model
 state that a bf16 one halves (4*Psi/N instead of 2*Psi/N per rank; the optimizer step needs the
@@ -63,11 +67,37 @@ class Precision:
         scale = self.loss_scale
         return loss if scale == 1.0 else loss.float() * scale
 
+    checks_nonfinite = True
+    """Whether a step whose gradients hold an inf or nan is skipped (`tachyon.engine.nonfinite`)."""
+
+    @property
+    def at_min_scale(self) -> bool:
+        """Whether the loss scale cannot be lowered any more: an overflow now is a real non-finite
+        gradient, not the dynamic scaler's calibration (always true without loss scaling)."""
+        return True
+
+    def unscale_(self, grads: list[torch.Tensor], norm: torch.Tensor) -> torch.Tensor:
+        """Divide the fp32 master gradients by the loss scale in place; returns ``norm`` (their
+        global norm, computed on the scaled gradients) divided likewise."""
+        scale = self.loss_scale
+        if scale == 1.0:
+            return norm
+        inv = 1.0 / scale
+        for g in grads:
+            g.mul_(inv)
+        return norm * inv
+
     def unscale_and_check(self, grads: list[torch.Tensor], comm) -> bool:
-        """Divide the fp32 master gradients by the loss scale in place; True when any
-        gradient on any rank of ``comm`` (a `DataParallelComm`) is inf or nan."""
-        del grads, comm
-        return False
+        """Divide the fp32 master gradients by the loss scale in place unless one is inf or nan on
+        any rank of ``comm`` (a `DataParallelComm`); returns whether one is. (The engine decides
+        from the gradient norm instead: `tachyon.engine.nonfinite`.)"""
+        if not self.checks_nonfinite:
+            return False
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        overflow = comm.any_true((~finite).to(torch.float32))
+        if not overflow:
+            self.unscale_(grads, torch.zeros(()))
+        return overflow
 
     def update(self, overflow: bool) -> None:
         """After a boundary step (taken or skipped)."""
@@ -89,10 +119,17 @@ class FP32Precision(Precision):
 
 
 class BF16Precision(Precision):
-    """bf16 weights, fp32 masters; gradients accumulate in bf16 unless told otherwise."""
+    """bf16 weights, fp32 masters; gradients accumulate in bf16 unless told otherwise.
+    ``check_grad_overflow`` (DeepSpeed's ``bf16.check_grad_overflow``): skip a step whose
+    gradients hold an inf or nan (default on; off lets them reach the weights, as DeepSpeed's
+    default does)."""
 
     name = "bf16"
     model_dtype = torch.bfloat16
+
+    def __init__(self, grad_accum_dtype: torch.dtype | None = None, check_grad_overflow: bool = True):
+        super().__init__(grad_accum_dtype)
+        self.checks_nonfinite = bool(check_grad_overflow)
 
     def default_grad_accum_dtype(self) -> torch.dtype:
         return torch.bfloat16
@@ -115,16 +152,11 @@ class FP16Precision(Precision):
     def loss_scale(self) -> float:
         return self.scaler.scale
 
-    def unscale_and_check(self, grads: list[torch.Tensor], comm) -> bool:
-        if not grads:
-            return comm.any_true(torch.zeros(1))
-        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
-        overflow = comm.any_true((~finite).to(torch.float32))
-        if not overflow:
-            inv = 1.0 / self.scaler.scale
-            for g in grads:
-                g.mul_(inv)
-        return overflow
+    @property
+    def at_min_scale(self) -> bool:
+        if not getattr(self.scaler, "dynamic", False):
+            return True
+        return self.scaler.scale <= getattr(self.scaler, "min_scale", 0.0)
 
     def update(self, overflow: bool) -> None:
         self.scaler.update(overflow)
@@ -155,5 +187,5 @@ def build_precision(config) -> Precision:
             scaler = StaticLossScaler(fp16.loss_scale)
         return FP16Precision(scaler, accum_dtype)
     if config.precision == "bf16":
-        return BF16Precision(accum_dtype)
+        return BF16Precision(accum_dtype, check_grad_overflow=config.bf16.check_grad_overflow)
     return FP32Precision(accum_dtype)

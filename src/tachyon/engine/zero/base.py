@@ -75,6 +75,8 @@ class ZeroStrategy:
         self._master_alias = [self._can_alias(region) for region in self.flat.regions]
         self.masters = [self._make_master(region) for region in self.flat.regions]
         self._accumulator: torch.Tensor | None = None
+        self._exposed: dict[int, torch.Tensor] = {}
+        """id(param) -> the view of the accumulator left in ``param.grad`` (stage 0)."""
         self._slot_of = {id(slot.param): slot for slot in self.flat.slots}
         self._reducing = False
         for key in [k for k, ref in _OWNER.items() if ref() is None]:  # engines gone since
@@ -338,6 +340,7 @@ class ZeroStrategy:
         for master in self.masters:
             master.grad = None
         self._accumulator = None
+        self._exposed = {}
         for slot in self.flat.slots:
             slot.param.grad = None
 

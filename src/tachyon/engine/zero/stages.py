@@ -13,9 +13,18 @@ keeps (Psi = parameter count, N = ranks) and how gradients travel:
           |                            |                                  | owners, every micro-step
 
 Stage 0 (`Stage0`): each parameter's post-accumulate-grad hook adds ``param.grad``
-into the flat accumulator (in ``grad_accum_dtype``) and frees it; on the boundary micro-step the
-hook also reports the parameter to the `BucketScheduler`, which all-reduces every complete
-bucket of the accumulator (in place, async when ``overlap_comm``).
+into the flat accumulator (in ``grad_accum_dtype``); on the boundary micro-step the hook also
+reports the parameter to the `BucketScheduler`, which all-reduces every complete bucket of the
+accumulator (in place, async when ``overlap_comm``). When the accumulator has the model's dtype
+(DeepSpeed's default) ``param.grad`` then becomes a view of the parameter's piece of it, as
+DeepSpeed leaves gradients in ``param.grad`` without ZeRO: after ``engine.backward`` a script
+reads the accumulated gradient there (averaged over the ranks after the boundary backward), later
+backwards accumulate into it in place, and what a script writes into it before ``engine.step()``
+-- in place (clipping, scaling) or by assigning a new tensor -- is what the step uses. A
+gradient a script sets to None before the step counts as zero (a warning says so; torch's
+optimizers would skip that parameter, the flat optimizer cannot). With a wider accumulator (fp32
+for a bf16 model) ``param.grad`` is freed instead: read it with
+`tachyon.engine.zero.fragments.full_grad` (``deepspeed.utils.safe_get_full_grad``).
 
 Stages 1 and 2 (`Stage1`, `Stage2`): a full-size gradient in the accumulation dtype never
 exists. Each gradient is copied into a bucket buffer (in ``comm_dtype``) and freed;
@@ -25,7 +34,11 @@ on every micro-step (DeepSpeed's behaviour). Stage 1 does it on the boundary mic
 autograd accumulate into ``param.grad`` (model dtype, full size: ZeRO-1's gradient memory)
 in between, saving the reductions of the other micro-steps; with an accumulation dtype wider
 than the model's (fp32 for a bf16 model) it reduces every micro-step like stage 2, since a
-full-size fp32 gradient would cost more than the partition it avoids.
+full-size fp32 gradient would cost more than the partition it avoids. After a reducing backward
+``param.grad`` is None, as in DeepSpeed's ZeRO-1/2: the gradient lives in the owners'
+partitions; `tachyon.engine.zero.fragments` reads and writes it (``safe_get_full_grad`` /
+``safe_set_full_grad``). A ``param.grad`` a script sets after that backward is not used by the
+step (as in DeepSpeed), and a warning says so.
 
 Memory discipline (what DeepSpeed 0.19.8 holds, or less, at every point of a step with its
 default config: benchmarks/results/2026-11-25-cpu-zero-memory-default-config.md): the accumulator is
@@ -45,6 +58,8 @@ model in place. Otherwise `after_step` copies the updated masters into the model
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .base import ZeroStrategy
@@ -61,6 +76,9 @@ class Stage0(ZeroStrategy):
     def __init__(self, param_groups: list[dict], **kwargs):
         super().__init__(param_groups, **kwargs)
         self._converted: list[Pending] = []
+        self.exposes_param_grads = self.grad_accum_dtype == self.model_dtype
+        """Whether ``param.grad`` is left as a view of the accumulator (see the module docstring)."""
+        self._warned_dropped = False
 
     def _accumulator_numel(self) -> int:
         return self.flat.numel
@@ -68,13 +86,52 @@ class Stage0(ZeroStrategy):
     def _accumulator_views(self, acc: torch.Tensor) -> list[torch.Tensor]:
         return [acc.narrow(0, r.start, r.numel) for r in self.flat.regions]
 
+    def _take_grad(self, slot) -> None:
+        """Move ``slot.param.grad`` into the accumulator (add it; or copy it where the parameter's
+        exposed view was replaced, since the new tensor holds the whole accumulated gradient),
+        then leave ``param.grad`` as the view of the accumulator, or free it."""
+        param, grad = slot.param, slot.param.grad
+        exposed = self._exposed.get(id(param))
+        if grad is None or grad is exposed:
+            return
+        piece = self.accumulator().narrow(0, slot.offset, slot.numel)
+        if exposed is not None:
+            piece.copy_(grad.reshape(-1))
+        else:
+            piece.add_(grad.reshape(-1))
+        if self.exposes_param_grads:
+            param.grad = self._exposed[id(param)] = piece.view_as(param)
+        else:
+            param.grad = None
+
     def _on_grad(self, param: torch.Tensor) -> None:
         slot = self._slot_of[id(param)]
-        if param.grad is not None:
-            self.accumulator().narrow(0, slot.offset, slot.numel).add_(param.grad.reshape(-1))
-            param.grad = None
+        self._take_grad(slot)
         if self._reducing:
             self.buckets.report(slot)
+
+    def master_grads(self) -> list[torch.Tensor]:
+        """Take what a script wrote into ``param.grad`` since the backward, then the base's
+        master gradients; frees the exposed views when the accumulator is converted."""
+        for slot in self.flat.slots:
+            param = slot.param
+            if param.grad is None and id(param) in self._exposed:
+                del self._exposed[id(param)]
+                self.accumulator().narrow(0, slot.offset, slot.numel).zero_()
+                if not self._warned_dropped:
+                    self._warned_dropped = True
+                    warnings.warn(f"param.grad of a parameter of shape {tuple(param.shape)} was set to None between "
+                                  "backward and step: the step uses a zero gradient for it (weight decay and momentum "
+                                  "still move it; torch's optimizers would skip it)", stacklevel=4)
+            else:
+                self._take_grad(slot)
+        grads = super().master_grads()
+        if self._accumulator is None:  # converted to fp32 and freed: let the views' storage go too
+            for slot in self.flat.slots:
+                if id(slot.param) in self._exposed:
+                    slot.param.grad = None
+            self._exposed = {}
+        return grads
 
     converted_in_flight = 2
     """Buckets reduced through a converted copy (``comm_dtype`` other than the accumulator's)
@@ -137,6 +194,7 @@ class _PartitionedGradients(ZeroStrategy):
         self.buffer_numel = self.buckets.max_bucket_numel
         self._buffers: list[torch.Tensor | None] = [None] * n_buffers
         self._buffer_users: list[list[Pending]] = [[] for _ in range(n_buffers)]
+        self._warned_written = False
         self._reset_backward_state()
 
     def _reset_backward_state(self) -> None:
@@ -240,6 +298,18 @@ class _PartitionedGradients(ZeroStrategy):
     def begin_backward(self, boundary: bool) -> None:
         super().begin_backward(boundary)
         self._reset_backward_state()
+
+    def master_grads(self) -> list[torch.Tensor]:
+        """The base's, after warning about a ``param.grad`` a script set after the reducing
+        backward: it is not used (the gradients already are in the owners' partitions)."""
+        written = [slot for slot in self.flat.slots if slot.param.grad is not None]
+        if written and not self._warned_written:
+            self._warned_written = True
+            warnings.warn(f"param.grad was set on {len(written)} parameter(s) after the backward that reduced the "
+                          f"gradients; ZeRO stage {self.stage} steps on the reduced partitions and does not use it "
+                          "(as DeepSpeed): write gradients with deepspeed.utils.safe_set_full_grad "
+                          "(tachyon.engine.zero.fragments.set_full_grad) instead", stacklevel=4)
+        return super().master_grads()
 
     def end_backward(self) -> None:
         super().end_backward()

@@ -18,6 +18,8 @@ import triton.language as tl
 
 from tachyon.kernels.activation.reference import GATED
 from tachyon.kernels.tiling import partials, row_split, sum_partials, tiles
+from tachyon.kernels.ints import cdiv
+from tachyon.kernels.launch import fast_launch
 
 # activation name -> the constexpr code the kernels switch on (gated names use their gate's code)
 _CODES = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3, "qgelu": 4}
@@ -82,6 +84,7 @@ def _act_fwd_grad(h, ACT: tl.constexpr):
     return y, d
 
 
+@fast_launch
 @triton.jit
 def _bias_act_fwd_kernel(
     X, B, Y, M, F, stride_x, stride_y,
@@ -106,6 +109,7 @@ def _bias_act_fwd_kernel(
     tl.store(y_ptrs, y.to(Y.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _bias_act_bwd_kernel(
     DY, X, B, DX, DB_PART, M, F, K, stride_dy, stride_x, stride_dx, rows_per_program,
@@ -160,7 +164,7 @@ def bias_act_fwd(x: torch.Tensor, bias: torch.Tensor | None, activation: str) ->
     if m == 0 or f == 0:
         return y
     block_m, block_n, num_warps = tiles(f)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(f, block_n))
+    grid = (cdiv(m, block_m), cdiv(f, block_n))
     _bias_act_fwd_kernel[grid](
         x, bias if bias is not None else x, y, m, f, x.stride(0), y.stride(0),
         ACT=_code(activation), GATED=gated, HAS_BIAS=bias is not None,
@@ -180,7 +184,7 @@ def bias_act_bwd(
     if m == 0 or f == 0:
         return dx, (torch.zeros_like(bias) if bias is not None else None)
     block_m, block_n, num_warps = tiles(f)
-    col_blocks = triton.cdiv(f, block_n)
+    col_blocks = cdiv(f, block_n)
     programs, rows_per_program = row_split(m, block_m, col_blocks, x.device)
     db_part = partials(programs, 1, k, x.device) if bias is not None else None
     _bias_act_bwd_kernel[(programs, col_blocks)](

@@ -24,6 +24,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tachyon.kernels.ints import cdiv
+from tachyon.kernels.launch import fast_launch
 from torch import Tensor
 
 BLOCK = 1024
@@ -89,6 +92,7 @@ def _adam_chunk(
                         one_minus_beta1, beta2, one_minus_beta2, eps, ADAM_W_MODE, True)
 
 
+@fast_launch
 @triton.jit
 def _adam_kernel(
     P, G, M, V, NUMELS, FIRSTS, STEP_SIZES, BC2_SQRTS,
@@ -128,7 +132,7 @@ def adam_step(
         firsts, programs = [], 0
         for i in group:
             firsts.append(programs)
-            programs += triton.cdiv(params[i].numel(), CHUNK)
+            programs += cdiv(params[i].numel(), CHUNK)
         _adam_kernel[(programs,)](
             tuple(params[i] for i in group), tuple(grads[i] for i in group), tuple(exp_avgs[i] for i in group),
             tuple(exp_avg_sqs[i] for i in group), tuple(params[i].numel() for i in group), tuple(firsts),

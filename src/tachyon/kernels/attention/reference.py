@@ -51,12 +51,26 @@ _CHUNK_ELEMENTS = 1 << 24
 _CHUNK_ELEMENTS_DROPOUT = 1 << 21  # Philox keeps ~6 int64 temporaries per element
 
 
+_masked_cache: list = []  # [key padding bias, its _version, the masked bias]: one model's layers share a mask
+
+
 def masked_bias(key_padding_bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The bias every implementation uses: fp32, contiguous, values <= MASKED_BIAS set to -inf."""
+    """The bias every implementation uses: fp32, contiguous, values <= MASKED_BIAS set to -inf.
+
+    Eager calls reuse the last result while the same tensor, unchanged (its version counter), comes
+    again: the layers of a model pass one mask, and this is four ops per layer otherwise. Under
+    torch.compile the cache is skipped (dynamo would guard on it)."""
     if key_padding_bias is None:
         return None
+    compiling = torch.compiler.is_compiling()
+    if not compiling and _masked_cache and _masked_cache[0] is key_padding_bias \
+            and _masked_cache[1] == key_padding_bias._version:
+        return _masked_cache[2]
     bias = key_padding_bias.detach().float()
-    return bias.masked_fill(bias <= MASKED_BIAS, float("-inf")).contiguous()
+    bias = bias.masked_fill(bias <= MASKED_BIAS, float("-inf")).contiguous()
+    if not compiling:
+        _masked_cache[:] = [key_padding_bias, key_padding_bias._version, bias]
+    return bias
 
 
 def default_scale(head_dim: int, softmax_scale: float | None) -> float:

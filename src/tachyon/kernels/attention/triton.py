@@ -56,6 +56,8 @@ import triton.language as tl
 from tachyon.backend import triton_interpreting
 from tachyon.kernels.random.triton import load_seed, seed_args
 from tachyon.kernels.tiling import partials, sum_partials
+from tachyon.kernels.ints import cdiv, next_power_of_2
+from tachyon.kernels.launch import fast_launch
 
 LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
 LN2 = tl.constexpr(0.6931471805599453)
@@ -166,6 +168,7 @@ def _fwd_block(
     return acc, l_i, m_new
 
 
+@fast_launch
 @triton.autotune(configs=_FWD_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _fwd_kernel(
@@ -219,6 +222,7 @@ def _fwd_kernel(
     tl.store(LSE + bh * seq_q + offs_m, lse, mask=m_valid)
 
 
+@fast_launch
 @triton.jit
 def _bwd_delta_kernel(
     OUT, DO, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
@@ -371,6 +375,7 @@ def _dkdv_program(
 
 
 # DQ_ACC is zeroed before each timed config: the atomic variant accumulates into it
+@fast_launch
 @triton.autotune(configs=_DKDV_CONFIGS, key=_KEY + ["ATOMIC_DQ"], prune_configs_by={"early_config_prune": _prune},
                  reset_to_zero=["DQ_ACC"])
 @triton.jit
@@ -485,6 +490,7 @@ def _dq_program(
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_mask)
 
 
+@fast_launch
 @triton.autotune(configs=_DQ_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _bwd_dq_kernel(
@@ -508,6 +514,7 @@ def _bwd_dq_kernel(
         HEAD_DIM, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, STORE_DELTA, HAS_QKV_BIAS, BLOCK_D, DOT_PRECISION, BLOCK_M, BLOCK_N)
 
 
+@fast_launch
 @triton.autotune(configs=_ONE_KERNEL_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _bwd_one_kernel(
@@ -554,7 +561,7 @@ def _common(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, causal:
             qkv_bias: torch.Tensor | None):
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     if qkv_bias is not None and qkv_bias.shape != ((heads + 2 * kv_heads) * head_dim,):
         raise ValueError(f"attention (triton): qkv_bias must be [(heads + 2 * kv_heads) * head_dim] = "
                          f"[{(heads + 2 * kv_heads) * head_dim}]; got {tuple(qkv_bias.shape)}")
@@ -563,7 +570,7 @@ def _common(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, causal:
         HAS_QKV_BIAS=qkv_bias is not None,
         BLOCK_D=block_d, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # fp32: no tf32 rounding
     )
-    bucket = triton.next_power_of_2(max(seq_q, seq_k))
+    bucket = next_power_of_2(max(seq_q, seq_k))
     inv_keep = 1.0 / (1.0 - dropout_p)
     return batch, heads, kv_heads, seq_q, seq_k, bucket, inv_keep, flags
 
@@ -609,7 +616,7 @@ def attention_fwd(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
     seed_int, seed_ptr, from_ptr = seed_args(seed, lse)
-    grid = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads)  # noqa: E731
+    grid = lambda meta: (cdiv(seq_q, meta["BLOCK_M"]), batch * heads)  # noqa: E731
     _fwd_kernel[grid](
         q, k, v, bias if bias is not None else q, out, lse, qkv_bias if qkv_bias is not None else q,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out), bias.stride(0) if bias is not None else 0,
@@ -673,14 +680,14 @@ def attention_bwd(
     qkv_bias_arg = qkv_bias if qkv_bias is not None else q
     common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout))
     if deterministic:
-        _bwd_dq_kernel[lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads)](
+        _bwd_dq_kernel[lambda meta: (cdiv(seq_q, meta["BLOCK_M"]), batch * heads)](
             q, k, v, bias_arg, dout, lse, delta, dq, out, qkv_bias_arg, *common, *_strides3(dq), bias_stride,
             *_strides3(out), heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_p, inv_keep,
             seed_int, seed_ptr, SEED_FROM_PTR=from_ptr, STORE_DELTA=True, **flags,
         )
     else:
         block_delta = 32 if triton_interpreting() else 64
-        _bwd_delta_kernel[(triton.cdiv(seq_q, block_delta), batch * heads)](
+        _bwd_delta_kernel[(cdiv(seq_q, block_delta), batch * heads)](
             out, dout, delta, *_strides3(out), *_strides3(dout), heads, seq_q,
             HEAD_DIM=flags["HEAD_DIM"], BLOCK_D=flags["BLOCK_D"], BLOCK_M=block_delta,
         )
@@ -691,8 +698,8 @@ def attention_bwd(
     part = None
     if qkv_bias is not None:
         smallest_block_n = min(c.kwargs["BLOCK_N"] for c in _bwd_dkdv_kernel.configs)
-        part = partials(batch * triton.cdiv(seq_k, smallest_block_n), 1, qkv_bias.numel(), q.device)
-    _bwd_dkdv_kernel[lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]), batch * kv_heads)](
+        part = partials(batch * cdiv(seq_k, smallest_block_n), 1, qkv_bias.numel(), q.device)
+    _bwd_dkdv_kernel[lambda meta: (cdiv(seq_k, meta["BLOCK_N"]), batch * kv_heads)](
         q, k, v, bias_arg, dout, lse, delta, dk, dv, dq_acc if dq_acc is not None else dk, qkv_bias_arg,
         part if part is not None else delta,
         *common, *_strides3(dk), bias_stride, part.stride(0) if part is not None else 0,
@@ -702,7 +709,7 @@ def attention_bwd(
     )
     dbias = None
     if part is not None:
-        rows = batch * triton.cdiv(seq_k, _bwd_dkdv_kernel.best_config.kwargs["BLOCK_N"])
+        rows = batch * cdiv(seq_k, _bwd_dkdv_kernel.best_config.kwargs["BLOCK_N"])
         (dbias,) = sum_partials(part[:rows], [qkv_bias.dtype])
     if dq_acc is not None:
         if dq is not None:
@@ -724,10 +731,10 @@ def _attention_bwd_one_kernel(dout, q, k, v, out, lse, bias, dropout_p, seed, so
     part = None
     if qkv_bias is not None:  # one row per key block, at most as many as with the smallest BLOCK_N
         smallest_block_n = min(c.kwargs["BLOCK_N"] for c in _bwd_one_kernel.configs)
-        part = partials(batch * triton.cdiv(seq_k, smallest_block_n), 1, qkv_bias.numel(), q.device)
+        part = partials(batch * cdiv(seq_k, smallest_block_n), 1, qkv_bias.numel(), q.device)
 
     def grid(meta):
-        return max(triton.cdiv(seq_k, meta["BLOCK_N"]), triton.cdiv(seq_q, meta["BLOCK_M"])), batch * kv_heads
+        return max(cdiv(seq_k, meta["BLOCK_N"]), cdiv(seq_q, meta["BLOCK_M"])), batch * kv_heads
 
     _bwd_one_kernel[grid](
         q, k, v, bias if bias is not None else q, dout, lse, out, dq, dk, dv, qkv_bias if qkv_bias is not None else q,
@@ -739,6 +746,6 @@ def _attention_bwd_one_kernel(dout, q, k, v, out, lse, bias, dropout_p, seed, so
     )
     dbias = None
     if part is not None:
-        rows = batch * triton.cdiv(seq_k, _bwd_one_kernel.best_config.kwargs["BLOCK_N"])
+        rows = batch * cdiv(seq_k, _bwd_one_kernel.best_config.kwargs["BLOCK_N"])
         (dbias,) = sum_partials(part[:rows], [qkv_bias.dtype])
     return dq, dk, dv, dbias

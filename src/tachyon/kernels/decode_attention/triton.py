@@ -20,10 +20,14 @@ import triton
 import triton.language as tl
 
 from tachyon.backend import triton_interpreting
+from tachyon.kernels.tiling import sm_count
+from tachyon.kernels.ints import cdiv, next_power_of_2
+from tachyon.kernels.launch import fast_launch
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
+@fast_launch
 @triton.jit
 def _decode_attention_kernel(
     Q, K, V, LENS, BIAS, OUT, PART_ACC, PART_ML,
@@ -94,8 +98,8 @@ def _decode_attention_kernel(
 
 def _blocks(group_rows: int, head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps): tl.dot needs every block dim >= 16."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m = max(16, min(64, triton.next_power_of_2(group_rows)))
+    block_d = max(16, next_power_of_2(head_dim))
+    block_m = max(16, min(64, next_power_of_2(group_rows)))
     if triton_interpreting():
         return block_m, 16, block_d, 4
     block_n = 64 if block_d <= 128 else 32
@@ -104,11 +108,11 @@ def _blocks(group_rows: int, head_dim: int) -> tuple[int, int, int, int]:
 
 def auto_splits(programs: int, capacity: int, block_n: int, device: torch.device) -> int:
     """Enough splits that about two programs run per SM, each with at least four key blocks."""
-    if device.type != "cuda":
+    sms = sm_count(device)
+    if not sms:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(2 * sms, max(programs, 1))
-    return max(1, min(wanted, triton.cdiv(capacity, 4 * block_n), 64))
+    wanted = cdiv(2 * sms, max(programs, 1))
+    return max(1, min(wanted, cdiv(capacity, 4 * block_n), 64))
 
 
 def decode_attention(
@@ -125,10 +129,10 @@ def decode_attention(
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     block_m, block_n, block_d, warps = _blocks(group * seq_q, head_dim)
-    row_blocks = triton.cdiv(group * seq_q, block_m)
+    row_blocks = cdiv(group * seq_q, block_m)
     splits = num_splits or auto_splits(batch * kv_heads * row_blocks, capacity, block_n, q.device)
-    split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
-    splits = triton.cdiv(capacity, split_len)
+    split_len = cdiv(cdiv(capacity, splits), block_n) * block_n
+    splits = cdiv(capacity, split_len)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if splits > 1:
         part_acc = torch.empty((splits, batch, heads, seq_q, head_dim), dtype=torch.float32, device=q.device)

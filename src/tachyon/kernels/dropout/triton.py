@@ -35,8 +35,11 @@ from tachyon.kernels.dropout.reference import dropout_scale
 from tachyon.kernels.layernorm.triton import row_config, row_grad, row_stats
 from tachyon.kernels.random.triton import load_seed, seed_args
 from tachyon.kernels.tiling import max_programs, partials, row_programs, row_split, sum_partials, tiles
+from tachyon.kernels.ints import cdiv
+from tachyon.kernels.launch import fast_launch
 
 
+@fast_launch
 @triton.jit
 def _bda_fwd_kernel(
     X, B, R, OUT, M, N, stride_x, stride_r, stride_o, seed, SEED_PTR, p, scale,
@@ -59,6 +62,7 @@ def _bda_fwd_kernel(
     tl.store(OUT + rows[:, None] * stride_o + cols[None, :], h.to(OUT.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _bda_bwd_kernel(
     DOUT, DX, DB_PART, M, N, stride_d, stride_dx, rows_per_program, seed, SEED_PTR, p, scale,
@@ -86,6 +90,7 @@ def _bda_bwd_kernel(
         tl.store(DB_PART + pid_m * N + cols, db, mask=col_ok)
 
 
+@fast_launch
 @triton.jit
 def _bda_norm_fwd_kernel(
     X, B, R, W, LNB, Y, Z, MEAN, RSTD, N, stride_x, stride_r, stride_y, stride_z, eps, seed, SEED_PTR, p, scale,
@@ -119,6 +124,7 @@ def _bda_norm_fwd_kernel(
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _bda_norm_bwd_kernel(
     DY, SAVED, DZ_OUT, W, LNB, MEAN, RSTD, DX, DRES, DW_PART, DLNB_PART, DB_PART,
@@ -178,7 +184,7 @@ def bias_dropout_add_fwd(
         return out
     block_m, block_n, num_warps = tiles(n)
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, out)
-    _bda_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+    _bda_fwd_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
         x, bias if bias is not None else x, residual if residual is not None else x, out,
         m, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), seed_int, seed_ptr,
         p, dropout_scale(p), HAS_BIAS=bias is not None, HAS_RES=residual is not None, DROPOUT=p > 0,
@@ -198,7 +204,7 @@ def dropout_bwd(
     if dx.numel() == 0:
         return dx, (torch.zeros(n, dtype=dbias_dtype, device=dout.device) if want_dbias else None)
     block_m, block_n, num_warps = tiles(n)
-    col_blocks = triton.cdiv(n, block_n)
+    col_blocks = cdiv(n, block_n)
     programs, rows_per_program = row_split(m, block_m, col_blocks, dout.device)
     db_part = partials(programs, 1, n, dout.device) if want_dbias else None
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, dx)
@@ -258,8 +264,8 @@ def bias_dropout_add_norm_bwd(
         return (dx, dres, torch.zeros(n, dtype=dbias_dtype, device=dy.device) if want_dbias else None,
                 zeros(weight), zeros(ln_bias) if ln_bias is not None else None)
     programs = row_programs(m, dy.device, max_programs(dy.device) // 2)
-    rows_per_program = triton.cdiv(m, programs)
-    programs = triton.cdiv(m, rows_per_program)
+    rows_per_program = cdiv(m, programs)
+    programs = cdiv(m, rows_per_program)
     # the partial sums of dweight, dln_bias, dbias (those wanted): groups of one buffer, one launch to sum
     groups = [weight.dtype] + ([ln_bias.dtype] if ln_bias is not None else []) + ([dbias_dtype] if want_dbias else [])
     part = partials(programs, len(groups), n, dy.device)

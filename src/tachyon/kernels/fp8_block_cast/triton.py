@@ -21,6 +21,8 @@ import triton.language as tl
 
 from tachyon.kernels.fp8_cast.reference import FP8_MAX, fp8_format
 from tachyon.kernels.fp8_cast.triton import _fp8_codes
+from tachyon.kernels.ints import cdiv
+from tachyon.kernels.launch import fast_launch
 
 
 @triton.jit
@@ -36,6 +38,7 @@ def _scale_of(amax, FP8_MAX: tl.constexpr, EPS: tl.constexpr, VFI: tl.constexpr,
     return scale
 
 
+@fast_launch
 @triton.jit
 def _block_cast_kernel(
     X, OUT, SINV, OUT_T, SINV_T, R, C, stride_xr, stride_xc, sinv_cols, sinv_t_cols,
@@ -80,6 +83,7 @@ def _block_cast_kernel(
                      mask=col_ok)
 
 
+@fast_launch
 @triton.jit
 def _scale_from_amax_kernel(AMAX, SCALE, SCALE_INV, FP8_MAX: tl.constexpr, EPS: tl.constexpr, VFI: tl.constexpr,
                             POW2: tl.constexpr):
@@ -108,7 +112,7 @@ def block_cast(x: torch.Tensor, fp8_dtype: torch.dtype, block_size: int, square:
     """Launch the kernel (one program per block_size x block_size tile). x: 2-D, any strides."""
     r, c = x.shape
     s = block_size
-    nr, nc = triton.cdiv(r, s), triton.cdiv(c, s)
+    nr, nc = cdiv(r, s), cdiv(c, s)
     device = x.device
     empty8 = torch.empty(0, dtype=fp8_dtype, device=device)
     empty32 = torch.empty(0, dtype=torch.float32, device=device)

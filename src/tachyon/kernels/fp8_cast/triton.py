@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 
 from tachyon.kernels.fp8_cast.reference import fp8_format
+from tachyon.kernels.ints import cdiv
+from tachyon.kernels.launch import fast_launch
 
 
 @triton.jit
@@ -64,6 +66,7 @@ def _fold_amax(AMAX, block_max_bits):
     tl.atomic_max(AMAX, tl.full((), 0x7FC00000, tl.int32), mask=was_negative_nan)
 
 
+@fast_launch
 @triton.jit
 def _cast_flat_kernel(
     X, SCALE, OUT, AMAX, numel,
@@ -82,6 +85,7 @@ def _cast_flat_kernel(
         _fold_amax(AMAX, tl.max(abs_bits, axis=0))
 
 
+@fast_launch
 @triton.jit
 def _cast_transpose_kernel(
     X, SCALE, OUT, OUT_T, AMAX, M, N, stride_xm, stride_xn,
@@ -140,7 +144,7 @@ def cast_to_fp8(
         numel = x.numel()
         if numel:
             block, num_warps = flat_config(x.device)
-            _cast_flat_kernel[(triton.cdiv(numel, block),)](
+            _cast_flat_kernel[(cdiv(numel, block),)](
                 x, scale, x8.view(torch.uint8), amax_bits, numel,
                 HAS_AMAX=amax is not None, BLOCK=block, num_warps=num_warps, **consts,
             )
@@ -149,7 +153,7 @@ def cast_to_fp8(
     x8_t = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
     if m and n:
         block_m, block_n, num_warps = tile_config(x.device)
-        _cast_transpose_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        _cast_transpose_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
             x, scale, x8.view(torch.uint8), x8_t.view(torch.uint8), amax_bits, m, n, x.stride(0), x.stride(1),
             HAS_AMAX=amax is not None, ROW_CONTIGUOUS=x.stride(1) == 1, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps, **consts,

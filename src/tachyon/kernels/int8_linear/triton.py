@@ -35,6 +35,9 @@ import triton.language as tl
 from tachyon.backend import triton_interpreting
 from tachyon.kernels.activation.reference import is_gated
 from tachyon.kernels.activation.triton import _act_fwd, _code
+from tachyon.kernels.tiling import sm_count
+from tachyon.kernels.ints import cdiv, next_power_of_2
+from tachyon.kernels.launch import fast_launch
 
 
 @triton.jit
@@ -90,6 +93,7 @@ def _norm_stats(X, R, Z, offs_m, m_valid, K, stride_xm, stride_rm, stride_zm, ep
     return mean, 1.0 / tl.sqrt(squares / K + eps)
 
 
+@fast_launch
 @triton.jit
 def _int8_linear_kernel(
     X, W, S, B, OUT, PART, M, N, K, stride_xm, stride_wn, stride_sn, stride_om, group_size, split_k, value_row0,
@@ -161,6 +165,7 @@ def _int8_linear_kernel(
         tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _split_reduce_kernel(
     PART, B, OUT, M, N, splits, stride_om, value_row0,
@@ -196,7 +201,7 @@ def _blocks(m: int, k: int, group_cols: int) -> tuple[int, int, int, int]:
         block_n, block_k = 16, 32
     else:
         block_n, block_k = (64, 128) if m <= 16 else (64, 64)
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_k = min(block_k, max(16, next_power_of_2(k)))
     if group_cols < k:
         while group_cols % block_k:
             block_k //= 2
@@ -204,11 +209,11 @@ def _blocks(m: int, k: int, group_cols: int) -> tuple[int, int, int, int]:
 
 
 def _split_k(programs: int, k: int, block_k: int, device: torch.device) -> int:
-    if device.type != "cuda":
+    sms = sm_count(device)
+    if not sms:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(2 * sms, max(programs, 1))
-    return max(1, min(wanted, triton.cdiv(k, 4 * block_k), 32))
+    wanted = cdiv(2 * sms, max(programs, 1))
+    return max(1, min(wanted, cdiv(k, 4 * block_k), 32))
 
 
 def int8_linear(
@@ -245,7 +250,7 @@ def int8_linear(
     block_m, block_n, block_k, warps = _blocks(m, k, group_cols)
     if groups > 1 and group_cols % block_k:
         raise ValueError(f"int8_linear (triton): a scale group of {group_cols} columns needs to be a multiple of 16")
-    grid_mn = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid_mn = (cdiv(m, block_m), cdiv(n, block_n))
     splits = split_k or _split_k(grid_mn[0] * grid_mn[1], k, block_k, x.device)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, m, rows), dtype=torch.float32, device=x.device) if splits > 1 else out

@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tachyon.kernels.ints import next_power_of_2
+from tachyon.kernels.launch import fast_launch
+
 
 @triton.jit
 def _heads(SRC, DST, src_base, dst_base, src_head_stride, dst_head_stride, H, D, cols, partner, c, coef,
@@ -28,6 +31,7 @@ def _heads(SRC, DST, src_base, dst_base, src_head_stride, dst_head_stride, H, D,
         tl.store(DST + dst_base + heads[:, None] * dst_head_stride + cols[None, :], x.to(DST.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _kv_append_kernel(
     QKV, POS, COS, SIN, KC, VC, LENS, QO, S, HQ, HK, D, R,
@@ -80,8 +84,8 @@ def rotary_kv_append(
     if batch * seq == 0:
         return q_out
     rotate = cos is not None
-    block_d = triton.next_power_of_2(d)
-    block_h = max(1, min(triton.next_power_of_2(max(heads, kv_heads)), 4096 // block_d))
+    block_d = next_power_of_2(d)
+    block_h = max(1, min(next_power_of_2(max(heads, kv_heads)), 4096 // block_d))
     _kv_append_kernel[(batch * seq,)](
         qkv, positions, cos if rotate else qkv, sin if rotate else qkv, k_cache, v_cache, cache_lengths, q_out,
         seq, heads, kv_heads, d, cos.shape[1] if rotate else 0,

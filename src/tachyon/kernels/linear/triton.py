@@ -37,6 +37,8 @@ from tachyon.backend import triton_interpreting
 from tachyon.kernels.activation.reference import is_gated
 from tachyon.kernels.activation.triton import _act_fwd, _act_fwd_grad, _code
 from tachyon.kernels.tiling import partials, sum_partials
+from tachyon.kernels.ints import cdiv
+from tachyon.kernels.launch import fast_launch
 
 GROUP_M = 8
 
@@ -58,6 +60,7 @@ def _prune(configs, named_args, **kwargs):
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
 
 
+@fast_launch
 @triton.autotune(configs=_configs(), key=["M", "N", "K", "MODE", "ACT", "GATED"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
@@ -150,7 +153,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
             block_m: int) -> None:
     m, k = a.shape
     gated = is_gated(activation)
-    _gemm_act_kernel[lambda meta: (triton.cdiv(m, block_m) * triton.cdiv(n, meta["BLOCK_N"]),)](
+    _gemm_act_kernel[lambda meta: (cdiv(m, block_m) * cdiv(n, meta["BLOCK_N"]),)](
         a, b, bias if bias is not None else a, out, pre, part if part is not None else out, m, n, k,
         a.stride(0), a.stride(1), b_strides[0], b_strides[1], out.stride(0), pre.stride(0), n if gated else 0,
         MODE=mode, ACT=_code(activation), GATED=gated, B_GATED=gated and mode == 0,
@@ -186,7 +189,7 @@ def gemm_act_grad(dout: torch.Tensor, weight2: torch.Tensor, pre: torch.Tensor, 
     if m == 0 or f == 0:
         return dpre, (torch.zeros(rows, dtype=bias_dtype, device=pre.device) if bias_dtype is not None else None)
     block_m = _block_m(m)
-    part = partials(triton.cdiv(m, block_m), 1, rows, pre.device) if bias_dtype is not None else None
+    part = partials(cdiv(m, block_m), 1, rows, pre.device) if bias_dtype is not None else None
     _launch(dout, weight2, None, dpre, pre, part, f, 1, activation,
             (weight2.stride(0), weight2.stride(1)), block_m)
     return dpre, (sum_partials(part, [bias_dtype])[0] if part is not None else None)

@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tachyon.kernels.ints import cdiv, next_power_of_2
+from tachyon.kernels.launch import fast_launch
+
 
 @triton.jit
 def load_seed(seed, SEED_PTR, SEED_FROM_PTR: tl.constexpr):
@@ -28,6 +31,7 @@ def seed_args(seed: int | torch.Tensor, dummy: torch.Tensor) -> tuple[int, torch
     return int(seed), dummy, False
 
 
+@fast_launch
 @triton.jit
 def _rand_kernel(OUT, seed, SEED_PTR, offset0, n, SEED_FROM_PTR: tl.constexpr, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -41,7 +45,7 @@ def rand(seed: int | torch.Tensor, n: int, offset: int = 0, device: str | torch.
     out = torch.empty(n, dtype=torch.float32, device=device)
     block = 1024
     s, ptr, from_ptr = seed_args(seed, out)
-    _rand_kernel[(triton.cdiv(n, block),)](out, s, ptr, offset, n, SEED_FROM_PTR=from_ptr, BLOCK=block)
+    _rand_kernel[(cdiv(n, block),)](out, s, ptr, offset, n, SEED_FROM_PTR=from_ptr, BLOCK=block)
     return out
 
 
@@ -54,6 +58,7 @@ def _splitmix64(x):
     return x ^ (x >> 31)
 
 
+@fast_launch
 @triton.jit
 def _chained_seeds_kernel(KEY, CALLS, OUT, ADVANCE: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
     calls = tl.load(CALLS)
@@ -71,5 +76,5 @@ def chained_seeds(key: torch.Tensor, calls: torch.Tensor, n: int, advance: bool)
     splitmix64(splitmix64(key ^ calls) ^ site) & (2**63 - 1) for site = 0 .. n-1.
     key, calls: 0-dim int64 on one device (calls updated in place)."""
     out = torch.empty(n, dtype=torch.int64, device=key.device)
-    _chained_seeds_kernel[(1,)](key, calls, out, ADVANCE=advance, N=n, BLOCK=max(triton.next_power_of_2(n), 2))
+    _chained_seeds_kernel[(1,)](key, calls, out, ADVANCE=advance, N=n, BLOCK=max(next_power_of_2(n), 2))
     return out

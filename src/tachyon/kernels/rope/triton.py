@@ -21,6 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tachyon.kernels.ints import next_power_of_2
+from tachyon.kernels.launch import fast_launch
+
 
 @triton.jit
 def _rotate_heads(
@@ -37,6 +40,7 @@ def _rotate_heads(
         tl.store(O + o_base + heads[:, None] * stride_oh + cols[None, :], out.to(O.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _rope_kernel(
     Q, K, QO, KO, COS, SIN, S, HQ, HK, D, R,
@@ -83,8 +87,8 @@ def rotary(
     q_out, k_out = out if out is not None else (torch.empty_like(q), torch.empty_like(k))
     if bsz * seq == 0:
         return q_out, k_out
-    block_d = triton.next_power_of_2(d)
-    block_h = max(1, min(triton.next_power_of_2(max(hq, hk)), 4096 // block_d))
+    block_d = next_power_of_2(d)
+    block_h = max(1, min(next_power_of_2(max(hq, hk)), 4096 // block_d))
     num_warps = 4 if block_h * block_d <= 2048 else 8
     _rope_kernel[(bsz * seq,)](
         q, k, q_out, k_out, cos, sin, seq, hq, hk, d, r,

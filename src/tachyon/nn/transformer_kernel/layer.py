@@ -64,7 +64,11 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from tachyon.backend import resolve
+from tachyon.kernels.attention.reference import masked_bias
+from tachyon.kernels.registry import eager_call
 from tachyon.nn.transformer_kernel import _kernels as K
+from tachyon.nn.transformer_kernel import fused
 from tachyon.nn.transformer_kernel.config import TransformerKernelConfig
 from tachyon.nn.transformer_layer import pld_draw_keep, pld_keep_probability
 
@@ -79,7 +83,53 @@ _PARAM_NAMES = ("attn_qkvw", "attn_qkvb", "attn_ow", "attn_ob", "attn_nw", "attn
                 "inter_w", "inter_b", "output_w", "output_b", "norm_w", "norm_b")
 
 
+def _eager(x: Tensor, params: Sequence[Tensor]) -> bool:
+    """True where the layer may run as one autograd node (fused.py): plain eager execution on
+    plain tensors (not under torch.compile, a dispatch mode or a functorch transform)."""
+    return eager_call((x, *params))
+
+
 _mask_cache: list[Any] = []  # [mask tensor, its _version, batch, seq, bias]: the layers of one model share a mask
+
+
+def _check_keep_values(mask: Tensor) -> None:
+    """A [batch, seq] mask is a keep mask: bool, or 0/1 values (1 = keep). Refuses other values,
+    naming an additive mask (0 keep, negative pad) passed in this shape. One host read of the
+    device's answer, when a new mask arrives (the result is cached for the other layers)."""
+    if mask.dtype == torch.bool:
+        return
+    if mask.is_complex():
+        raise ValueError(f"attention_mask [batch, seq] must be bool or 0/1 (1 = keep); got dtype {mask.dtype}")
+    other, negative = torch.stack([((mask != 0) & (mask != 1)).any(), (mask < 0).any()]).tolist()
+    if not other:
+        return
+    if negative:
+        raise ValueError(
+            "attention_mask [batch, seq] is a keep mask (1 = keep, 0 = pad) but has negative values: an additive "
+            "mask (0 keep, -10000 or -inf pad)? Pass an additive mask in HF's shape [batch, 1, 1, seq], or as a "
+            "keep mask, (mask == 0)")
+    raise ValueError("attention_mask [batch, seq] is a keep mask and takes the values 0 and 1 (1 = keep) or bool; "
+                     "it has other values")
+
+
+def _check_additive_values(mask: Tensor) -> None:
+    """A float 4-D mask is HF's additive mask: 0 keep, negative masked; bool is a keep mask (True =
+    keep). Refuses positive values, naming a 0/1 keep mask passed in the additive shape."""
+    if mask.dtype == torch.bool:
+        return
+    if not mask.is_floating_point():
+        raise ValueError(f"attention_mask of HF's 4-D shape must be float (additive: 0 keep, negative masked) or bool "
+                         f"(True = keep); got {mask.dtype}")
+    positive, keep_like = torch.stack([(mask > 0).any(), ((mask == 0) | (mask == 1)).all()]).tolist()
+    if not positive:
+        return
+    if keep_like:
+        raise ValueError(
+            "attention_mask of HF's 4-D shape is read as an additive mask (0 keep, large negative masked) but has "
+            "0/1 values: a keep mask (1 = keep)? Pass a keep mask as [batch, seq], or as bool, or convert it with "
+            "(1.0 - mask) * torch.finfo(dtype).min")
+    raise ValueError("attention_mask of HF's 4-D shape is an additive mask (0 keep, negative masked) and must have no "
+                     "positive values")
 
 
 def key_padding_bias(mask: Tensor | None, batch: int, seq: int, device: torch.device) -> Tensor | None:
@@ -89,7 +139,10 @@ def key_padding_bias(mask: Tensor | None, batch: int, seq: int, device: torch.de
     [batch, 1, 1, seq] (float, 0 keep / large negative masked) or its bool form; HF 5.x's 4D masks
     [batch, 1, seq, seq] (eager: additive float; SDPA: bool, True = keep) whose rows are all equal,
     i.e. key padding masks (a mask that differs per query, such as a causal one, is refused). A
-    batch dim of 1 broadcasts. Other shapes raise ValueError.
+    batch dim of 1 broadcasts. Other shapes raise ValueError, and so do values the shape does not
+    take: a [batch, seq] mask with values other than 0/1 (an additive mask in the keep mask's
+    shape) or a float 4-D mask with positive values (a 0/1 keep mask in the additive shape);
+    checked when a new mask arrives in eager mode (one host read), trusted under torch.compile.
 
     Eager calls cache the last result (the layers of one model share one mask); under
     torch.compile the cache is skipped (dynamo would guard on it and recompile per new mask).
@@ -107,8 +160,12 @@ def key_padding_bias(mask: Tensor | None, batch: int, seq: int, device: torch.de
     if mask.device != device:
         raise ValueError(f"attention_mask is on {mask.device} but hidden_states is on {device}")
     if mask.dim() == 2 and shape[0] in (1, batch) and shape[1] == seq:
+        if not compiling:
+            _check_keep_values(mask)
         bias = K.padding_bias_from_mask(mask, torch.float32)
     elif mask.dim() == 4 and shape[0] in (1, batch) and shape[1] == 1 and shape[2] in (1, seq) and shape[3] == seq:
+        if not compiling:
+            _check_additive_values(mask)
         first = mask[:, :, :1, :]
         if shape[2] > 1 and not torch.equal(mask, first.expand_as(mask)):
             raise ValueError(
@@ -170,6 +227,8 @@ class TransformerKernelLayer(nn.Module):
         if config.local_rank >= 0 and torch.cuda.is_available():
             torch.cuda.set_device(config.local_rank)
         self.backend = backend
+        # eager calls run the layer as one autograd node (fused.py); False: op by op, as traced
+        self.fused_eager = True
         self.hf_config = None  # the HF BertConfig of from_hf, used by to_hf
         self.layer_number: int | None = None  # progressive layer drop: 1-based position in the stack
         self.num_layers: int = config.num_hidden_layers
@@ -307,11 +366,45 @@ class TransformerKernelLayer(nn.Module):
             # advance the counter (not in a recompute during backward) and derive the three seeds,
             # 0-dim int64 tensors indexed by _SITE_ATTN_PROBS, _SITE_ATTN_OUT, _SITE_FFN_OUT
             seeds = K.next_dropout_seeds(self._dropout_key, self._dropout_calls, backend=self.backend).unbind(0)
-            out = self._forward(x, bias, True, seeds, scale)
+            if self.fused_eager and _eager(x, self._params()):
+                out = self._fused(x, bias, seeds, scale)
+            else:
+                out = self._forward(x, bias, True, seeds, scale)
         else:
             with torch.no_grad():
-                out = self._forward(x, bias, False, [0, 0, 0])
+                if self.fused_eager and _eager(x, ()):
+                    out = self._fused(x, bias, None, 1.0)
+                else:
+                    out = self._forward(x, bias, False, [0, 0, 0])
         return (out,) if self.config.return_tuple else out
+
+    def _params(self) -> tuple[Tensor, ...]:
+        p = self._parameters
+        return (p["attn_qkvw"], p["attn_qkvb"], p["attn_ow"], p["attn_ob"], p["attn_nw"], p["attn_nb"], p["inter_w"],
+                p["inter_b"], p["output_w"], p["output_b"], p["norm_w"], p["norm_b"])
+
+    def _fused(self, x: Tensor, bias: Tensor | None, seeds: Sequence[Tensor] | None, scale: float) -> Tensor:
+        """The layer as one autograd node (fused.py): the eager path; ``seeds`` None: no dropout."""
+        c = self.config
+        batch, seq, hidden = x.shape
+        p_attn = c.attn_dropout_ratio if seeds is not None else 0.0
+        p_hidden = c.hidden_dropout_ratio if seeds is not None else 0.0
+        training = seeds is not None and torch.is_grad_enabled()
+        plan = fused.Plan(batch, seq, c.heads, c.pre_layer_norm, c.layer_norm_eps, p_attn, p_hidden,
+                          1.0 / math.sqrt(hidden // c.heads), not c.stochastic_mode, c.normalize_invertible,
+                          c.gelu_checkpoint, c.attn_dropout_checkpoint and training, scale, resolve(x, self.backend))
+        x2 = x.reshape(batch * seq, hidden)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        bias = masked_bias(bias)
+        s0 = seeds[_SITE_ATTN_PROBS] if p_attn > 0 else None
+        s1, s2 = (seeds[_SITE_ATTN_OUT], seeds[_SITE_FFN_OUT]) if p_hidden > 0 else (None, None)
+        params = self._params()
+        if training and (x.requires_grad or any(p.requires_grad for p in params)):
+            out = fused.apply(plan, x2, bias, s0, s1, s2, *params)
+        else:
+            out, _ = fused.forward(plan, x2, bias, (s0, s1, s2), params, False)
+        return out.view(batch, seq, hidden)
 
     def _check_input(self, x: Tensor) -> None:
         c = self.config
@@ -364,7 +457,8 @@ class TransformerKernelLayer(nn.Module):
         if c.attn_dropout_checkpoint and active and torch.is_grad_enabled():
             # keep only the region's input (the layer input, saved anyway); the packed QKV and
             # the logsumexp are recomputed in backward with the same seed
-            ctx, x_res = torch.utils.checkpoint.checkpoint(self._attention, x, bias, p_attn, seeds[_SITE_ATTN_PROBS],
+            seed = seeds[_SITE_ATTN_PROBS] if p_attn > 0 else 0  # a region input is saved: no unused seed
+            ctx, x_res = torch.utils.checkpoint.checkpoint(self._attention, x, bias, p_attn, seed,
                                                            use_reentrant=False, preserve_rng_state=False)
         else:
             ctx, x_res = self._attention(x, bias, p_attn, seeds[_SITE_ATTN_PROBS])

@@ -24,7 +24,12 @@ What it changes (torchtitan's rule: model code never touches a process group):
 
 Everything is checked before anything changes: tp must divide every layer's query heads,
 key/value heads and FFN size and every split vocabulary (ValueError naming the module and
-the size). A TransformerKernelLayer (the fused BERT kernel) is refused.
+the size). A TransformerKernelLayer (the fused BERT kernel) is refused. parallelize never
+returns a model it did not split: HF transformer layers it cannot split as they are (GPT-2's
+``GPT2Block``, Llama-style decoder layers, BERT's ``BertLayer``) are refused with the conversion
+that makes them splittable (``HFLayerAdapter.from_hf`` for GPT-2 / Llama; BERT has no
+tensor-parallel layer in tachyon but ``TransformerLayer`` built post-LN), and so is a model with
+no TransformerLayer at all unless the plan names modules to split.
 
 Numbers: without dropout, the parallel model computes what the original computes up to
 floating-point summation order (the row-parallel sums add tp partial products).
@@ -151,6 +156,53 @@ def _check_sequence_parallel(model: nn.Module, layers: list[tuple[str, Transform
     return runs
 
 
+HF_LAYERS = {
+    "GPT2Block": "gpt2", "LlamaDecoderLayer": "llama", "MistralDecoderLayer": "llama", "Qwen2DecoderLayer": "llama",
+    "BertLayer": "bert", "RobertaLayer": "bert", "GPTNeoBlock": "other", "GPTJBlock": "other",
+}
+"""HF transformer layer classes parallelize cannot split as they are, by what converts them."""
+
+
+def _unconverted_hf_layers(model: nn.Module) -> tuple[str, str, str, int] | None:
+    """(first name, class, kind, count) of HF transformer layers in ``model`` (not converted to
+    tachyon.nn.TransformerLayer), or None."""
+    found = [(n, type(m).__name__) for n, m in model.named_modules() if type(m).__name__ in HF_LAYERS]
+    if not found:
+        return None
+    name, cls = found[0]
+    return name, cls, HF_LAYERS[cls], len(found)
+
+
+def _refuse_unsplit(model: nn.Module, layers: list, plan: dict[str, str], tp_size: int) -> None:
+    """ValueError when parallelize would leave transformer layers whole (module docstring)."""
+    hf = _unconverted_hf_layers(model)
+    if hf is not None:
+        name, cls, kind, count = hf
+        parent = name.rsplit(".", 1)[0] if "." in name else "<the layer list>"
+        if kind in ("gpt2", "llama"):
+            how = (f"convert them first (tachyon.nn.transformer_layer.HFLayerAdapter): `for i, layer in "
+                   f"enumerate(model.{parent}): model.{parent}[i] = HFLayerAdapter.from_hf(layer)`, then call "
+                   "parallelize")
+        elif kind == "bert":
+            how = ("BERT layers have no tensor-parallel form in tachyon (the fused kernel layer of replace_bert_layers "
+                   "is not splittable either): build the encoder from tachyon.nn.TransformerLayer (output_layernorm="
+                   "True, apply_residual_connection_post_layernorm=True is BERT's post-LN layer), or train it "
+                   "data-parallel (tp_size 1)")
+        else:
+            how = "tachyon has no converter for this layer: build the model from tachyon.nn.TransformerLayer"
+        raise ValueError(
+            f"parallelize: {name!r} is an unconverted HF {cls} ({count} such layer(s)); split over {tp_size} ranks "
+            f"they would stay whole on every rank. {how}"
+        )
+    if not layers and not any(style != "replicate" for style in plan.values()):
+        raise ValueError(
+            f"parallelize: {type(model).__name__} has no tachyon.nn.TransformerLayer (nor an HFLayerAdapter) to split "
+            f"over {tp_size} ranks, and the plan names no module to split; every weight would stay whole on every "
+            "rank. Build the model from tachyon.nn.TransformerLayer, convert HF GPT-2 / Llama layers with "
+            "HFLayerAdapter.from_hf, or pass plan={name: 'column' | 'row' | 'vocab' | 'column_gather'}"
+        )
+
+
 def check_parallelizable(model: nn.Module, tp_size: int, *, sequence_parallel: bool = False,
                          plan: dict[str, str] | None = None) -> tuple[list, dict[str, str], list]:
     """Every check of :func:`parallelize` for a tensor-parallel size ``tp_size``, touching nothing
@@ -172,6 +224,8 @@ def check_parallelizable(model: nn.Module, tp_size: int, *, sequence_parallel: b
         check_transformer_layer(layer, tp_size, name)
     plan = default_plan(model) if plan is None else dict(plan)
     _check_plan(model, plan, tp_size)
+    if tp_size > 1:
+        _refuse_unsplit(model, layers, plan, tp_size)
     runs = _check_sequence_parallel(model, layers) if sequence_parallel else []
     return layers, plan, runs
 

@@ -6,7 +6,7 @@ import importlib
 
 from tachyon.compat._names import module_getattr, unsupported
 
-_SUBMODULES = ("adam", "lamb", "transformer")
+_SUBMODULES = ("adam", "lamb", "op_builder", "transformer")
 _TABLE = {
     "sparse_attention": unsupported("block-sparse attention is not implemented by tachyon (its attention is "
                                     "dense flash attention: tachyon.nn.DotProductAttention)"),
@@ -16,6 +16,10 @@ _lookup = module_getattr(__name__, "deepspeed.ops", _TABLE, lambda: list(_SUBMOD
 
 
 def __getattr__(name: str):
+    if name == "__compatible_ops__":
+        from tachyon.compat.deepspeed.ops.op_builder import COMPATIBLE_OPS
+
+        return COMPATIBLE_OPS
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
     return _lookup(name)

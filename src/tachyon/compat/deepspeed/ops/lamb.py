@@ -10,12 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 from tachyon.compat._names import Target, module_getattr
+from tachyon.compat.deepspeed.ops.adam import _SameClassAs
 from tachyon.engine.optim import Lamb as _TachyonLamb
 
 
-class FusedLamb(_TachyonLamb):
+class FusedLamb(_TachyonLamb, metaclass=_SameClassAs):
     """DeepSpeed's ``FusedLamb(params, lr, bias_correction, betas, eps, eps_inside_sqrt, weight_decay,
-    max_grad_norm, max_coeff, min_coeff, amsgrad)`` as tachyon's Lamb."""
+    max_grad_norm, max_coeff, min_coeff, amsgrad)`` as tachyon's Lamb; every tachyon Lamb is an
+    instance of it."""
+
+    tachyon_class = _TachyonLamb
 
     def __init__(self, params: Any, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,

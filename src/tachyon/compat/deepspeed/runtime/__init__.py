@@ -1,5 +1,5 @@
 """``deepspeed.runtime``: the parts of DeepSpeed's runtime package scripts import directly
-(``runtime.activation_checkpointing.checkpointing``)."""
+(``runtime.activation_checkpointing.checkpointing``, ``runtime.utils``)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import importlib
 
 from tachyon.compat._names import module_getattr
 
-_lookup = module_getattr(__name__, "deepspeed.runtime", {}, lambda: ["activation_checkpointing"])
+_SUBMODULES = ("activation_checkpointing", "config", "lr_schedules", "pipe", "progressive_layer_drop", "utils")
+_lookup = module_getattr(__name__, "deepspeed.runtime", {}, lambda: list(_SUBMODULES))
 
 
 def __getattr__(name: str):
-    if name == "activation_checkpointing":
-        return importlib.import_module(f"{__name__}.activation_checkpointing")
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     return _lookup(name)
 
 
-__all__ = ["activation_checkpointing"]
+__all__ = list(_SUBMODULES)

@@ -5,10 +5,11 @@
 modules (TE's arguments and parameter names), ``te.autocast`` is `tachyon.autocast` (and
 ``te.fp8_autocast`` `tachyon.fp8_autocast`), ``te.is_fp8_available`` /
 ``is_fp8_block_scaling_available`` / ``is_mxfp8_available`` are `tachyon.fp8`'s,
-``te.RotaryPositionEmbedding`` is `tachyon.nn.RotaryPositionEmbedding`, and ``te.checkpoint``
-(also ``te.distributed.checkpoint``) runs tachyon's activation checkpoint after checking TE's
-keywords. FP8 parameters (``fp8_model_init``), grouped GEMMs, CUDA-graph capture, ONNX export and
-userbuffers overlap are not implemented and raise NotImplementedError saying what to use.
+``te.RotaryPositionEmbedding`` is `tachyon.nn.RotaryPositionEmbedding`, ``te.make_graphed_callables``
+is `tachyon.make_graphed_callables` (CUDA graphs, FP8 included), and ``te.checkpoint`` (also
+``te.distributed.checkpoint``) runs tachyon's activation checkpoint after checking TE's keywords.
+FP8 parameters (``fp8_model_init``), grouped GEMMs, ONNX export and userbuffers overlap are not
+implemented and raise NotImplementedError saying what to use.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ _TABLE.update({
                                   "is_first_microbatch); use fp8_autocast"),
     "GroupedLinear": unsupported("grouped GEMMs (mixture of experts) are not implemented by tachyon; use one Linear "
                                  "per expert"),
-    "make_graphed_callables": unsupported("CUDA-graph capture is not implemented by tachyon; use "
-                                          "torch.compile(mode='reduce-overhead') or torch.cuda.make_graphed_callables"),
+    "make_graphed_callables": Target((("tachyon.cuda_graphs", "make_graphed_callables"),)),
     "onnx_export": unsupported("ONNX export is not implemented by tachyon; use torch.onnx.export on the modules"),
     "initialize_ub": unsupported("userbuffers communication overlap needs tensor parallelism, which is not in "
                                  "this version of tachyon"),

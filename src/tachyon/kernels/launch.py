@@ -1,0 +1,189 @@
+"""Launching Triton kernels with less host time: a cached handle per kernel and specialization.
+
+A plain ``kernel[grid](*args)`` goes through ``Autotuner.run`` (when autotuned) and
+``JITFunction.run`` on every call: the driver's device and stream queries, the knobs, the
+pre-run hooks, the argument binding and specialization, a string of the options for the cache key,
+a check that no global the kernel read has changed, the launch metadata, and then the launcher.
+That is 15-60 us of host time per launch, while many of tachyon's kernels run for less on a GPU.
+
+``@fast_launch`` (on top of ``@triton.jit`` or ``@triton.autotune``) keeps the same call syntax,
+``kernel[grid](*args, **constexprs)``, and after the first call with a given specialization does
+only what decides which compiled kernel runs and the launch itself:
+
+1. autotuned kernels: the autotuning key (the values of the autotuner's ``key`` arguments and every
+   tensor argument's dtype, as ``Autotuner.run`` computes it) selects the config tuned for it;
+   an unseen key goes through ``Autotuner.run`` once, which benchmarks and caches the choice;
+2. Triton's own generated binder (native specialization: dtypes, 16-byte alignment of pointers,
+   integer ranges and divisibility by 16, the value 1, constexprs) gives the specialization key, so
+   a kernel is reused exactly where ``JITFunction.run`` would reuse it; an unseen key (a new dtype,
+   alignment, stride class, constexpr or device) goes through ``JITFunction.run`` once, which
+   compiles;
+3. the compiled kernel's launcher is called with the current stream.
+
+What the fast path leaves out: Triton's launch enter/exit hooks (the proton profiler; turn the
+fast path off with ``set_fast_launch(False)`` to profile with them) and the per-call check that
+globals the kernel read have not changed since it was compiled (tachyon's kernels read only
+constants). Under Triton's interpreter (TRITON_INTERPRET=1) every call takes the plain path.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+_enabled = True
+_Tensor = torch.Tensor
+
+
+def set_fast_launch(enabled: bool) -> None:
+    """Turn the cached launch path on (default) or off for the whole process; off, every launch
+    goes through Triton's own ``run`` (e.g. for Triton's launch hooks)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def fast_launch_enabled() -> bool:
+    return _enabled
+
+
+def _jit_function(fn: Any):
+    """The JITFunction under an Autotuner / Heuristics chain, or None (e.g. an InterpretedFunction)."""
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(fn, JITFunction):
+        fn = getattr(fn, "fn", None)
+        if fn is None:
+            return None
+    return fn
+
+
+class FastKernel:
+    """A Triton kernel (``@triton.jit``, optionally ``@triton.autotune`` on top) with cached
+    launches; see the module docstring. ``kernel[grid](*args, **kwargs)`` launches it and returns
+    the autotuner's config used (None for a kernel without autotuning); ``best_config`` is the
+    config of the last launch. Other attributes (``configs``, ``fn``, ``arg_names``, ...) are the
+    wrapped kernel's."""
+
+    def __init__(self, kernel: Any) -> None:
+        from triton.runtime.autotuner import Autotuner
+
+        self.kernel = self.fn = kernel  # .fn as on Triton's Autotuner: the wrapped kernel
+        self.jit = _jit_function(kernel)
+        self.autotuner = kernel if isinstance(kernel, Autotuner) else None
+        self.best_config = None
+        # autotuning key -> (config, its keyword arguments); specialization key -> launch entry
+        self._configs: dict[tuple, tuple[Any, dict[str, Any]]] = {}
+        self._entries: dict[tuple, tuple[Callable, Any, Any]] = {}
+        self._lock = threading.Lock()
+        if self.autotuner is not None and self.jit is not None:
+            names = self.jit.arg_names
+            self._tune_positions = [(names.index(k), k) for k in self.autotuner.keys if k in names]
+            self._tuned = len(self.autotuner.configs) > 1
+        self._fast = self.jit is not None and (self.autotuner is None or type(kernel).run is Autotuner.run)
+        from triton.runtime.driver import driver
+
+        self._driver = driver  # Triton's DriverConfig: .active is the driver in force at each call
+        self._active = None
+
+    def _bind_driver(self, active: Any) -> None:
+        """The device and stream queries of Triton's active driver. CUDA's device query is
+        torch.cuda.current_device, a Python wrapper (lazy init, then torch._C._cuda_getDevice):
+        a launch happens only on an initialized device, so the C function is called directly."""
+        self._current_device = active.get_current_device
+        self._current_stream = active.get_current_stream
+        if self._current_device is torch.cuda.current_device and hasattr(torch._C, "_cuda_getDevice"):
+            self._current_device = torch._C._cuda_getDevice
+        self._active = active
+
+    def __getattr__(self, name: str) -> Any:
+        kernel = self.__dict__.get("kernel")
+        if kernel is None:
+            raise AttributeError(name)
+        return getattr(kernel, name)
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        return functools.partial(self.launch, grid)  # a C-level partial: one Python frame less than a lambda
+
+    def _plain(self, grid: Any, args: Sequence[Any], kwargs: dict[str, Any]):
+        """Triton's own path; returns the compiled kernel it ran."""
+        compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
+        if self.autotuner is not None:
+            self.best_config = self.autotuner.best_config
+        return compiled
+
+    def _tune_key(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
+        """The autotuning key as Autotuner.run builds it: the key arguments' values, then the dtype
+        of every argument that has one (tensors), positional then keyword."""
+        n = len(args)
+        key = [args[i] if i < n else kwargs.get(name) for i, name in self._tune_positions]
+        key += [a.dtype for a in args if isinstance(a, _Tensor)]
+        if kwargs:
+            key += [v.dtype for v in kwargs.values() if isinstance(v, _Tensor)]
+        return tuple(key)
+
+    def launch(self, grid: Any, *args: Any, **kwargs: Any):
+        """Launch on ``grid`` (a tuple, or a callable of the bound arguments); returns the config."""
+        if not (_enabled and self._fast):
+            self._plain(grid, args, kwargs)
+            return self.best_config
+        # DriverConfig._active is what its .active property returns once set (saves a Python call)
+        active = self._driver._active or self._driver.active
+        if active is not self._active:
+            self._bind_driver(active)
+        device = self._current_device()
+        config, full = None, kwargs
+        if self.autotuner is not None:
+            if self._tuned:
+                tune_key = self._tune_key(args, kwargs)
+                found = self._configs.get(tune_key)
+                if found is None:  # Autotuner.run benchmarks the configs for this key and launches
+                    self._plain(grid, args, kwargs)
+                    config = self.best_config
+                    with self._lock:
+                        self._configs[tune_key] = (config, config.all_kwargs())
+                    return config
+                config, config_kwargs = found
+            else:
+                config = self.autotuner.configs[0]
+                config_kwargs = self._configs.get(())
+                if config_kwargs is None:
+                    self._configs[()] = config_kwargs = (config, config.all_kwargs())
+                config_kwargs = config_kwargs[1]
+            full = {**kwargs, **config_kwargs}
+            self.best_config = config
+            if config.pre_hook is not None:
+                config.pre_hook({**dict(zip(self.jit.arg_names, args)), **full})
+        binder = self.jit.device_caches[device][4]
+        bound, specialization, options = binder(*args, **full)
+        key = (device, *specialization, *options.items())
+        entry = self._entries.get(key)
+        if entry is None:  # JITFunction.run compiles (or finds) the kernel and launches it
+            compiled = self.jit.run(*args, grid=grid, warmup=False, **full)
+            compiled.run  # noqa: B018  (loads the binary and builds the launcher)
+            with self._lock:
+                self._entries[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            return config
+        run, function, metadata = entry
+        if callable(grid):
+            grid = grid(bound)
+        n = len(grid)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._current_stream(device), function,
+            metadata, None, None, None, *bound.values())
+        return config
+
+    def cache_sizes(self) -> tuple[int, int]:
+        """(autotuning keys seen, compiled specializations launched through the fast path)."""
+        return len(self._configs), len(self._entries)
+
+
+def fast_launch(kernel: Any) -> Any:
+    """Decorator over ``@triton.jit`` / ``@triton.autotune``: a :class:`FastKernel`, or the kernel
+    itself where there is no JITFunction to cache (Triton's interpreter)."""
+    return FastKernel(kernel) if _jit_function(kernel) is not None else kernel
+
+
+__all__ = ["FastKernel", "fast_launch", "fast_launch_enabled", "set_fast_launch"]
