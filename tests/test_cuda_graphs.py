@@ -58,9 +58,8 @@ def test_refused_inside_an_open_autocast_and_with_a_recipe_this_machine_lacks():
     one the call is refused; a recipe the autocast refuses is refused before the CUDA check."""
     from tachyon.fp8 import MXFP8BlockScaling
 
-    with tachyon.autocast(enabled=False):
-        with pytest.raises(RuntimeError, match="inside an open tachyon.autocast"):
-            make_graphed_callables(_layer(), (torch.randn(2, 8),))
+    with tachyon.autocast(enabled=False), pytest.raises(RuntimeError, match="inside an open tachyon.autocast"):
+        make_graphed_callables(_layer(), (torch.randn(2, 8),))
     if not HAS_CUDA:
         with pytest.raises(RuntimeError, match="MXFP8BlockScaling needs a GPU of compute capability 10"):
             make_graphed_callables(_layer(), (torch.randn(2, 8),), fp8_enabled=True, fp8_recipe=MXFP8BlockScaling())

@@ -85,17 +85,34 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def _on_the_ranks() -> dict:
+    """Both halves of this file on one pair of ranks (one spawn: most of the cost is starting them)."""
+    return {"tp": _tensor_parallel(), "engine": _train(2)}
+
+
 @pytest.fixture(scope="module")
-def tp_runs():
+def runs():
+    """The 2-rank results of both halves, and their single-process references."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ranks = run_distributed(_tensor_parallel, 2, timeout=300)
+        ranks = run_distributed(_on_the_ranks, 2, timeout=300)
         single = {recipe: _single(recipe) for recipe in RECIPES}
         high = _single(None)
+        one = _train(2)
     finally:
         torch.set_num_threads(threads)
-    return ranks, single, high
+    return {"tp": ([r["tp"] for r in ranks], single, high), "engine": ([r["engine"] for r in ranks], one)}
+
+
+@pytest.fixture(scope="module")
+def tp_runs(runs):
+    return runs["tp"]
+
+
+@pytest.fixture(scope="module")
+def engine_runs(runs):
+    return runs["engine"]
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
@@ -174,18 +191,6 @@ def _train(world: int) -> dict:
                        "ran_fp8": ran}
         engine.destroy()
     return out
-
-
-@pytest.fixture(scope="module")
-def engine_runs():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ranks = run_distributed(_train, 2, 2, timeout=300)
-        single = _train(2)
-    finally:
-        torch.set_num_threads(threads)
-    return ranks, single
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

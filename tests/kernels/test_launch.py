@@ -296,8 +296,9 @@ def test_fp8_cast_kernels_launch_through_the_cached_path(stubbed_launches):
         for name, cls in recipes.items():
             linear = tnn.Linear(32, 32, params_dtype=torch.bfloat16)
             x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+            recipe = cls()
 
-            def step(linear=linear, x=x, recipe=cls()):
+            def step(linear=linear, x=x, recipe=recipe):
                 with tachyon.autocast(recipe=recipe):
                     y = linear(x)
                 y.float().sum().backward()
