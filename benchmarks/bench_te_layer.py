@@ -7,8 +7,10 @@ Shape (the tutorial's): hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4, sbh
     +tachyon Linear/LN  the same with tachyon.nn.Linear and tachyon.nn.LayerNorm
     +LayerNormLinear/MLP  tachyon.nn.LayerNormLinear (LN + QKV) and LayerNormMLP, SDPA attention
     TransformerLayer    tachyon.nn.TransformerLayer (flash attention kernel, fused bias-dropout-add)
-    TransformerLayer+FP8  the same inside tachyon.fp8_autocast (HYBRID, amax history 16, "max"); bf16 only
-    ... graphed           TransformerLayer (and +FP8) captured by tachyon.make_graphed_callables (GPU only)
+    TransformerLayer+FP8 (<recipe>)  the same inside tachyon.autocast, one row per FP8 recipe (--recipe):
+                        delayed (DelayedScaling(HYBRID, amax history 16, "max"), the tutorial's),
+                        current (Float8CurrentScaling()), block (Float8BlockScaling()); bf16 only
+    ... graphed           TransformerLayer (and each +FP8 row) captured by tachyon.make_graphed_callables (GPU only)
     torch.compile       torch.compile(BasicTransformerLayer)
 
 FLOPs counted per forward (T = seq * batch tokens, h hidden, f ffn): the GEMMs 2 T h (4 h + 2 f)
@@ -21,7 +23,8 @@ BF16: plain PyTorch 48.3 ms, TE TransformerLayer 35.7 ms, TE + FP8 21.7 ms), sca
 run's batch by batch / 8 (every op of the layer is linear in the batch size, so equal work at
 batch 4 is half the batch-8 time). They are published reference numbers, not measured here.
 
-Needs a CUDA GPU. Usage: python benchmarks/bench_te_layer.py [--quick | --smoke]   (--quick:
+Needs a CUDA GPU. Usage: python benchmarks/bench_te_layer.py [--quick | --smoke] [--recipe NAME ...]
+(--recipe: the FP8 rows to run, any of delayed, current, block; default all three; --quick:
 hidden 1024, ffn 4096, 16 heads, seq 512, batch 4; --smoke: every variant's code path on CPU at
 a toy shape, a check that the script works, not a measurement; torch.compile with aot_eager)
 """
@@ -113,11 +116,23 @@ class FusedTransformerLayer(nn.Module):
         return self.ln_mlp(x) + x
 
 
-def build_variants(shape: dict, dtype: torch.dtype, device: str) -> dict[str, Callable[[], tuple[nn.Module, object]]]:
+RECIPES = ("delayed", "current", "block")
+
+
+def fp8_recipe(name: str):
+    """The FP8 recipe of a ``--recipe`` name: the tutorial's delayed scaling, or TE 2.x's defaults."""
+    from tachyon.fp8 import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
+
+    if name == "delayed":
+        return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    return {"current": Float8CurrentScaling, "block": Float8BlockScaling}[name]()
+
+
+def build_variants(shape: dict, dtype: torch.dtype, device: str,
+                   recipes: tuple[str, ...] = RECIPES) -> dict[str, Callable[[], tuple[nn.Module, object]]]:
     """name -> a builder returning (module in train mode on ``device``/``dtype``, forward context)."""
     import tachyon
     import tachyon.nn as tnn
-    from tachyon.fp8 import DelayedScaling, Format
 
     h, f, heads = shape["hidden"], shape["ffn"], shape["heads"]
 
@@ -130,9 +145,8 @@ def build_variants(shape: dict, dtype: torch.dtype, device: str) -> dict[str, Ca
     def te_layer():
         return tnn.TransformerLayer(h, f, heads, hidden_dropout=DROPOUT, attention_dropout=DROPOUT)
 
-    def fp8_ctx():
-        recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
-        return tachyon.fp8_autocast(enabled=True, fp8_recipe=recipe)
+    def fp8_ctx(name):
+        return lambda: tachyon.autocast(enabled=True, recipe=fp8_recipe(name))
 
     def graphed(build_module, ctx=contextlib.nullcontext, **fp8):
         def build():
@@ -153,10 +167,10 @@ def build_variants(shape: dict, dtype: torch.dtype, device: str) -> dict[str, Ca
     }
     variants["TransformerLayer graphed"] = graphed(te_layer)
     if dtype == torch.bfloat16:
-        variants["TransformerLayer+FP8"] = make(te_layer, fp8_ctx)
-        variants["TransformerLayer+FP8 graphed"] = graphed(
-            te_layer, fp8_enabled=True,
-            fp8_recipe=DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max"))
+        for name in recipes:
+            variants[f"TransformerLayer+FP8 ({name})"] = make(te_layer, fp8_ctx(name))
+            variants[f"TransformerLayer+FP8 ({name}) graphed"] = graphed(
+                te_layer, fp8_ctx(name), fp8_enabled=True, fp8_recipe=fp8_recipe(name))
     # on CPU (the smoke run) the inductor backend would need a C++ compiler
     compile_kwargs = {} if device == "cuda" else {"backend": "aot_eager"}
     variants["torch.compile"] = make(lambda: torch.compile(BasicTransformerLayer(h, f, heads), **compile_kwargs))
@@ -185,25 +199,31 @@ def time_variant(module: nn.Module, ctx, x: torch.Tensor, dy: torch.Tensor, mode
     return fn, bench(fn, **(reps or {}))
 
 
-def run(shape: dict, dtypes, device: str = "cuda", bf16_peak: float | None = None, reps: dict | None = None) -> list[dict]:
+def run(shape: dict, dtypes, device: str = "cuda", bf16_peak: float | None = None, reps: dict | None = None,
+        recipes: tuple[str, ...] = RECIPES) -> list[dict]:
     rows = []
     fwd_flops = layer_flops(shape)
     for dtype in dtypes:
         x = torch.randn(shape["seq"], shape["batch"], shape["hidden"], device=device, dtype=dtype)
         dy = torch.randn_like(x)
         baseline = {}
-        for name, build in build_variants(shape, dtype, device).items():
+        layer_ms = {}
+        for name, build in build_variants(shape, dtype, device, recipes).items():
             module, ctx = build()
             for mode, flops in (("fwd", fwd_flops), ("fwd+bwd", 3 * fwd_flops)):
                 fn, t = time_variant(module, ctx, x, dy, mode, reps)
                 tflops = t.rate(flops) / 1e12
                 baseline.setdefault(mode, t.median_ms)
+                if name == "TransformerLayer":
+                    layer_ms[mode] = t.median_ms
                 rows.append({
                     "variant": name, "dtype": str(dtype).removeprefix("torch."), "mode": mode,
                     "shape": "h{hidden} f{ffn} a{heads} s{seq} b{batch}".format(**shape),
                     "median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "graph_ms": t.graph_ms, "host_ms": t.host_ms, "TFLOP/s": tflops,
                     "frac_bf16_peak": tflops * 1e12 / bf16_peak if bf16_peak else float("nan"),
-                    "speedup_vs_torch.nn": baseline[mode] / t.median_ms, "peak_mem_MB": peak_memory(fn) / 2**20,
+                    "speedup_vs_torch.nn": baseline[mode] / t.median_ms,
+                    "speedup_vs_TransformerLayer": layer_ms[mode] / t.median_ms if mode in layer_ms else float("nan"),
+                    "peak_mem_MB": peak_memory(fn) / 2**20,
                 })
             del module
             gc.collect()
@@ -226,9 +246,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a smaller shape (hidden 1024, seq 512)")
     parser.add_argument("--smoke", action="store_true", help="CPU, toy shape: the code paths, not a measurement")
+    parser.add_argument("--recipe", nargs="+", choices=RECIPES, default=list(RECIPES),
+                        help="the FP8 recipes to run a TransformerLayer+FP8 row for (default: all)")
     args = parser.parse_args()
+    recipes = tuple(args.recipe)
     if args.smoke:
-        rows = run(SMOKE, (torch.bfloat16, torch.float32), device="cpu", reps={"warmup": 1, "rep": 2})
+        rows = run(SMOKE, (torch.bfloat16, torch.float32), device="cpu", reps={"warmup": 1, "rep": 2}, recipes=recipes)
         print_table(rows, title="smoke run on CPU (toy shape; timings meaningless)")
         return
     if not torch.cuda.is_available():
@@ -236,7 +259,7 @@ def main() -> None:
     shape = QUICK if args.quick else FULL
     peak = measure_matmul_peak(torch.bfloat16)
     print(f"measured bf16 matmul peak: {peak / 1e12:.0f} TFLOP/s")
-    rows = run(shape, (torch.bfloat16, torch.float16), bf16_peak=peak)
+    rows = run(shape, (torch.bfloat16, torch.float16), bf16_peak=peak, recipes=recipes)
     print_table(rows, title="GPT layer, TE tutorial progression (forward / forward+backward)")
     if shape is FULL:
         print_table(published_rows(shape), title="Transformer Engine, published H100 figures (NOT measured here; "

@@ -3,6 +3,7 @@ replays equal to eager calls bit for bit, forward and backward, FP8 scales inclu
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -52,6 +53,18 @@ def test_modules_with_hooks_or_trainable_buffers_are_refused():
         make_graphed_callables(layer, (torch.randn(2, 8),))
 
 
+def test_refused_inside_an_open_autocast_and_with_a_recipe_this_machine_lacks():
+    """The captures open their own autocast (so each replay updates delayed scales itself): inside
+    one the call is refused; a recipe the autocast refuses is refused before the CUDA check."""
+    from tachyon.fp8 import MXFP8BlockScaling
+
+    with tachyon.autocast(enabled=False), pytest.raises(RuntimeError, match="inside an open tachyon.autocast"):
+        make_graphed_callables(_layer(), (torch.randn(2, 8),))
+    if not HAS_CUDA:
+        with pytest.raises(RuntimeError, match="MXFP8BlockScaling needs a GPU of compute capability 10"):
+            make_graphed_callables(_layer(), (torch.randn(2, 8),), fp8_enabled=True, fp8_recipe=MXFP8BlockScaling())
+
+
 def test_the_names_a_transformer_engine_script_uses():
     import tachyon.compat.transformer_engine.pytorch as te
 
@@ -67,11 +80,13 @@ def _twins(make):
     return eager, graphed
 
 
-def _steps(module, inputs, grads, **kwargs):
+def _steps(module, inputs, grads, ctx=contextlib.nullcontext, **kwargs):
+    """Forward (inside ``ctx()``) and backward (outside it, as an FP8 autocast requires) per input."""
     out = []
     for x, g in zip(inputs, grads):
         x = x.clone().requires_grad_()
-        y = module(x, **kwargs)
+        with ctx():
+            y = module(x, **kwargs)
         y.backward(g)
         out.append([y.detach().clone(), x.grad.clone(), *(p.grad.clone() for p in module.parameters())])
         module.zero_grad(set_to_none=True)
@@ -101,20 +116,19 @@ def test_graphed_bert_kernel_layer_equals_eager_bit_for_bit(pre_ln):
 
 
 @pytest.mark.gpu
-def test_graphed_transformer_layer_with_fp8_equals_eager_including_scales():
-    from tachyon.fp8 import DelayedScaling
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "block"])
+def test_graphed_transformer_layer_with_fp8_equals_eager_including_scales(recipe_name):
+    from tachyon.fp8 import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
-    recipe = DelayedScaling(amax_history_len=4)
+    recipe = {"delayed": lambda: DelayedScaling(amax_history_len=4), "current": Float8CurrentScaling,
+              "block": Float8BlockScaling}[recipe_name]()
     eager, graphed = _twins(lambda: tachyon.nn.TransformerLayer(256, 1024, 4, hidden_dropout=0.0,
                                                                 attention_dropout=0.0, params_dtype=torch.bfloat16).cuda())
     inputs = [torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     grads = [torch.randn_like(x) for x in inputs]
     make_graphed_callables(graphed, (inputs[0].clone().requires_grad_(),), fp8_enabled=True, fp8_recipe=recipe)
     got = _steps(graphed, inputs, grads)
-    want = []
-    for x, g in zip(inputs, grads):
-        with tachyon.fp8_autocast(enabled=True, fp8_recipe=recipe):
-            want += _steps(eager, [x], [g])
+    want = _steps(eager, inputs, grads, ctx=lambda: tachyon.autocast(enabled=True, recipe=recipe))
     _assert_bitwise(got, want)
     for (name, a), (_, b) in zip(eager.named_modules(), graphed.named_modules()):
         for key, scaling in (getattr(a, "fp8_scaling", None) or {}).items():

@@ -21,6 +21,7 @@ _LAZY = {
     "shutdown_distributed": "tachyon.parallel.distributed",
     "TransformerKernelConfig": "tachyon.nn.transformer_kernel",
     "TransformerKernelLayer": "tachyon.nn.transformer_kernel",
+    "autocast": "tachyon.fp8",
     "fp8_autocast": "tachyon.fp8",
     "init_inference": "tachyon.inference",
     "make_graphed_callables": "tachyon.cuda_graphs",

@@ -55,6 +55,11 @@ def _info(args: argparse.Namespace) -> int:
     lines.append("capabilities:")
     for name, cap in tachyon.capabilities().items():
         lines.append(f"  {name:<7} {'yes' if cap.available else 'no ':<4} {cap.detail}")
+    from tachyon.fp8 import gemm_paths
+
+    lines.append("FP8 recipes (tachyon.autocast(recipe=...)):")
+    for name, (runs, detail) in gemm_paths().items():
+        lines.append(f"  {name:<7} {'yes' if runs else 'no ':<4} {detail}")
     warnings = versions.warnings()
     if warnings:
         lines.append("WARNING: " + "; ".join(warnings) + ". tachyon may work, but this combination is untested.")

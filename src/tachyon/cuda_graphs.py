@@ -33,11 +33,16 @@ replays the backward graph, returning the gradients of the inputs and the parame
 autograd accumulates into ``.grad`` as usual). In the other mode it runs the original forward.
 
 FP8 (``fp8_enabled`` / ``fp8_calibrating`` / ``fp8_recipe`` / ``fp8_group``): the callables run
-inside ``tachyon.fp8_autocast`` with those settings at warm-up and capture, so each forward graph
-ends with what the autocast's exit does in eager mode (the forward amaxes reduced over
-``fp8_group``, the scales updated) and each backward graph with what the end of an eager
-backward pass does (the gradients' amaxes and scales): every replay updates the scales exactly
-once, as an eager step does. ``fp8_weight_caching=True`` (callables take ``is_first_microbatch``,
+inside ``tachyon.autocast(enabled=fp8_enabled, calibrating=fp8_calibrating, recipe=fp8_recipe,
+amax_reduction_group=fp8_group)`` at warm-up and capture, under any recipe (delayed, current or
+block scaling). Under delayed scaling each forward graph ends with what the autocast's exit does
+in eager mode (the forward amaxes reduced over ``fp8_group``, the scales updated) and each
+backward graph with what the end of an eager backward pass does (the gradients' amaxes and
+scales, :func:`tachyon.fp8.reduce_and_update_fp8_tensors` run inside the capture): every replay
+updates the scales exactly once, as an eager step does. Current and block scaling compute their
+scales inside the captured kernels and have no state to update. Called inside an open
+``tachyon.autocast`` it is refused (the captures would take that context's settings and its exit
+would update the scales once, outside the graphs). ``fp8_weight_caching=True`` (callables take ``is_first_microbatch``,
 which must then be passed at every call as a bool): two graph pairs per callable, one casting the
 weights into the FP8 cache and one reusing it, sharing the cache's memory.
 
@@ -194,7 +199,7 @@ class _Captured:
                              "callable returns tensors only")
         self.outputs = tuple(flat)
 
-    def capture_backward(self, pool, training: bool, allow_unused: bool, retain_graph: bool) -> None:
+    def capture_backward(self, pool, training: bool, allow_unused: bool, retain_graph: bool, fp8: bool) -> None:
         self.grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in self.outputs)
         needed = tuple(i for i in self.inputs if i.requires_grad)
         grads: tuple = ()
@@ -203,6 +208,10 @@ class _Captured:
                 grads = torch.autograd.grad(tuple(o for o in self.outputs if o.requires_grad), needed,
                                             grad_outputs=tuple(g for g in self.grad_outputs if g is not None),
                                             only_inputs=True, allow_unused=allow_unused, retain_graph=retain_graph)
+                if fp8:  # a captured backward queues no update: the graph ends with it (delayed scaling)
+                    from tachyon.fp8 import reduce_and_update_fp8_tensors
+
+                    reduce_and_update_fp8_tensors(forward=False)
         it = iter(grads)
         self.grad_inputs = tuple(next(it) if training and i.requires_grad else None for i in self.inputs)
 
@@ -310,18 +319,24 @@ def make_graphed_callables(
             raise ValueError(f"make_graphed_callables: {name} must be True or False; got {flag!r}")
     if fp8_weight_caching and not fp8_enabled:
         raise ValueError("make_graphed_callables: fp8_weight_caching=True caches FP8 weights and needs fp8_enabled=True")
-    training = _check_callables(callables, tuple(sample_args), tuple(sample_kwargs), fp8_weight_caching)
-    from tachyon.fp8 import fp8_autocast
+    from tachyon.fp8 import autocast, autocast_active
 
+    if autocast_active():
+        raise RuntimeError("make_graphed_callables: called inside an open tachyon.autocast; call it outside and pass "
+                           "fp8_enabled / fp8_calibrating / fp8_recipe / fp8_group (the captures run in their own "
+                           "autocast, so that each replay updates the FP8 scales itself)")
     uses_fp8 = fp8_enabled or fp8_calibrating
+    if uses_fp8:  # the recipe and flags checked (MXFP8 on a GPU without it, ...) before any CUDA work
+        autocast(enabled=fp8_enabled, calibrating=fp8_calibrating, recipe=fp8_recipe, amax_reduction_group=fp8_group)
+    training = _check_callables(callables, tuple(sample_args), tuple(sample_kwargs), fp8_weight_caching)
 
     def in_autocast(func: Callable) -> Callable:
         if not uses_fp8:
             return func
 
         def run(*args, **kwargs):
-            with fp8_autocast(enabled=fp8_enabled, calibrating=fp8_calibrating, fp8_recipe=fp8_recipe,
-                              fp8_group=fp8_group):
+            with autocast(enabled=fp8_enabled, calibrating=fp8_calibrating, recipe=fp8_recipe,
+                          amax_reduction_group=fp8_group):
                 return func(*args, **kwargs)
         return run
 
@@ -349,7 +364,7 @@ def make_graphed_callables(
             cap.capture_forward(mempool)
     for per in reversed(captures):
         for cap in reversed(list(per.values())):
-            cap.capture_backward(mempool, training, allow_unused_input, retain_graph_in_backward)
+            cap.capture_backward(mempool, training, allow_unused_input, retain_graph_in_backward, uses_fp8)
     torch.cuda.synchronize()
     results = []
     for c, per in zip(callables, captures):

@@ -49,10 +49,30 @@ def test_checkpoint_takes_tes_keywords_and_matches_no_checkpoint():
         te.checkpoint(layer, x, get_rng_state_tracker=lambda: None)
 
 
-@pytest.mark.parametrize("name", ["Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling"])
-def test_other_recipes_name_delayed_scaling(name):
-    with pytest.raises(NotImplementedError, match="delayed scaling only; use DelayedScaling"):
-        getattr(recipe, name)()
+@pytest.mark.parametrize("name", ["Format", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+                                  "MXFP8BlockScaling", "QParams", "MMParams", "Recipe"])
+def test_recipes_are_tachyons(name):
+    assert getattr(recipe, name) is getattr(tachyon.fp8, name)
+
+
+def test_te2_autocast_runs_the_recipes_and_nvfp4_is_refused():
+    """te.autocast(recipe=...) as Transformer Engine 2.x spells it, with TE's recipe arguments."""
+    assert te.autocast is tachyon.autocast
+    layer = te.Linear(32, 32)
+    x = torch.randn(16, 32)
+    for fp8_recipe in (recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID),
+                       recipe.Float8BlockScaling(fp8_format=recipe.Format.E4M3),
+                       recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")):
+        with te.autocast(enabled=True, recipe=fp8_recipe, amax_reduction_group=None):
+            y = layer(x)
+        assert not torch.equal(y, torch.nn.functional.linear(x, layer.weight, layer.bias))  # it ran in FP8
+    with pytest.raises(NotImplementedError, match="NVFP4 .* not implemented by tachyon; use DelayedScaling, "
+                                                  "Float8CurrentScaling, Float8BlockScaling or MXFP8BlockScaling"):
+        recipe.NVFP4BlockScaling()
+    if not torch.cuda.is_available():
+        assert te.is_fp8_available() is False and te.is_mxfp8_available() is False
+        available, reason = te.is_mxfp8_available(return_reason=True)
+        assert not available and "compute capability 10.x" in reason
 
 
 def test_unsupported_features_say_what_to_use():

@@ -77,7 +77,7 @@ def train(world: int) -> dict:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-    fp8_state = {name: module.get_extra_state() for name, module in model.named_modules()
+    fp8_state = {name: module.fp8_state_dict() for name, module in model.named_modules()
                  if hasattr(module, "fp8_scaling")}
     return {"params": [p.detach().float().clone() for p in model.parameters()], "fp8": fp8_state,
             "losses": losses, "steps": engine.global_steps}

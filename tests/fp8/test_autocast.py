@@ -11,7 +11,9 @@ import torch
 
 import tachyon
 import tachyon.nn as tnn
-from tachyon.fp8 import DelayedScaling, Format, cast_to_fp8, current_settings, fp8_autocast, is_fp8_enabled
+from tachyon.fp8 import (
+    DelayedScaling, Format, cast_to_fp8, current_settings, decode_extra_state, fp8_autocast, is_fp8_enabled,
+)
 from tests.utils import assert_close
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -241,10 +243,11 @@ def test_state_dict_round_trip_restores_the_scaling_state_exactly():
                 assert torch.equal(getattr(a, key), getattr(b, key)), f"{gemm}.{role}.{key}"
             assert a.amax_history.abs().sum() > 0
     # the state_dict is a snapshot, and training on from either module gives identical results
-    snapshot = loaded["_extra_state"]["gemms"]["fc1"]["input"]["scale"].clone()
+    assert loaded["_extra_state"].dtype == torch.uint8  # a tensor (safetensors takes it), decoded by:
+    snapshot = decode_extra_state(loaded["_extra_state"])["gemms"]["fc1"]["input"]["scale"].clone()
     _train_steps(mlp, 2, seed=2)
     _train_steps(restored, 2, seed=2)
-    assert torch.equal(loaded["_extra_state"]["gemms"]["fc1"]["input"]["scale"], snapshot)
+    assert torch.equal(decode_extra_state(loaded["_extra_state"])["gemms"]["fc1"]["input"]["scale"], snapshot)
     x = torch.randn(16, 32)
     with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
         assert torch.equal(mlp(x), restored(x))
@@ -254,6 +257,10 @@ def test_set_extra_state_rejects_foreign_state():
     layer = tnn.Linear(32, 16)
     with pytest.raises(ValueError, match="_extra_state must be a dict with 'gemms'"):
         layer.set_extra_state(io.BytesIO())
+    with pytest.raises(ValueError, match="_extra_state must be a 1-D uint8 tensor"):
+        layer.set_extra_state(torch.zeros(3))
+    with pytest.raises(ValueError, match="_extra_state bytes do not hold a saved FP8 state"):
+        layer.set_extra_state(torch.arange(7, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"FP8 state names unknown GEMMs \['fc1'\]; this module has \['gemm'\]"):
         layer.set_extra_state({"gemms": {"fc1": {}}})
 
@@ -377,11 +384,11 @@ def test_one_backward_pass_updates_every_grad_scale_in_one_call(monkeypatch):
     """The grad_output states of all FP8 GEMMs a backward pass ran are updated together when the
     pass ends (one update_scales call, so one amax all-reduce per fp8_group), each from its own
     amax; a GEMM run twice in the pass records the larger amax and updates once."""
-    import tachyon.fp8.linear as fl
+    import tachyon.fp8.pending as fp
 
     calls = []
-    real = fl.update_scales
-    monkeypatch.setattr(fl, "update_scales", lambda items: calls.append(len(items)) or real(items))
+    real = fp.update_scales
+    monkeypatch.setattr(fp, "update_scales", lambda items: calls.append(len(items)) or real(items))
     first, shared, last = tnn.Linear(16, 16), tnn.Linear(16, 16), tnn.Linear(16, 16)
     x = torch.randn(16, 16, requires_grad=True)
     seen = {}
@@ -391,7 +398,7 @@ def test_one_backward_pass_updates_every_grad_scale_in_one_call(monkeypatch):
         h = shared(first(x))
         y = last(shared(h * 3))  # `shared` runs twice in the pass
     y.backward(torch.randn(16, 16) * 5)
-    assert calls == [3]
+    assert calls == [6, 3]  # the autocast's exit: 3 inputs + 3 weights; the backward's end: 3 grad_outputs
     for name, layer in (("first", first), ("shared", shared), ("last", last)):
         history = layer.fp8_scaling["gemm"].grad_output.amax_history
         assert history[0].item() == 0.0 and history[2].item() == 0.0  # rolled once

@@ -151,7 +151,7 @@ def test_transposed_saved_operands_give_the_same_step_as_the_plain_ones(monkeypa
             (y.float() * torch.linspace(-1, 1, 48)).sum().backward()
             outs.append(y.detach())
             grads.append(x.grad)
-        return outs, grads, layer.weight.grad, layer.bias.grad, layer.get_extra_state()
+        return outs, grads, layer.weight.grad, layer.bias.grad, layer.fp8_state_dict()
 
     plain, transposed = run(False), run(True)
     for a, b in zip(plain[0] + plain[1] + [plain[2], plain[3]], transposed[0] + transposed[1] + [transposed[2], transposed[3]]):

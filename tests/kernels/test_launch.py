@@ -190,8 +190,47 @@ with StubLaunches() as stub:
     stub.clear()
     te(xs).sum().backward()
     out["te"] = stub.names
+
+    # FP8 casts: a Linear's forward and backward under each recipe, twice (the first compiles)
+    import tachyon
+    from tachyon.kernels.fp8_block_cast import triton as block_cast
+    from tachyon.kernels.fp8_cast import triton as cast
+    from tachyon.kernels.launch import FastKernel
+
+    fp8_kernels = {"cast_flat": cast._cast_flat_kernel, "cast_transpose": cast._cast_transpose_kernel,
+                   "block_cast": block_cast._block_cast_kernel, "scale_from_amax": block_cast._scale_from_amax_kernel}
+    out["fp8 fast kernels"] = sorted(name for name, k in fp8_kernels.items() if isinstance(k, FastKernel))
+    plain = []
+    for k in fp8_kernels.values():
+        if isinstance(k, FastKernel):
+            k.jit.run = (lambda run: lambda *a, **kw: (plain.append(1), run(*a, **kw))[1])(k.jit.run)
+    for name in ("delayed", "current", "block"):
+        recipe = FP8_RECIPES[name]()
+        linear = tnn.Linear(32, 32, params_dtype=torch.bfloat16)
+        x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(2):
+            stub.clear()
+            plain.clear()
+            with tachyon.autocast(recipe=recipe):
+                y = linear(x)
+            y.float().sum().backward()
+        out[f"fp8 {name}"] = stub.names
+        out[f"fp8 {name} plain runs"] = len(plain)
 print("RESULTS", json.dumps(out))
 '''
+
+_FP8_RECIPES = '''
+from tachyon.fp8 import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+FP8_RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}
+'''
+_LAYER_SCRIPT = _LAYER_SCRIPT.replace("from tachyon.profiling.launch_stub import StubLaunches\n",
+                                      "from tachyon.profiling.launch_stub import StubLaunches\n" + _FP8_RECIPES, 1)
+
+
+@pytest.fixture(scope="module")
+def stubbed_launches():
+    out = run_without_interpreter(_LAYER_SCRIPT)
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULTS ")).removeprefix("RESULTS "))
 
 
 def _interpreted_launches(fn) -> list[str]:
@@ -213,7 +252,7 @@ def _interpreted_launches(fn) -> list[str]:
     return names
 
 
-def test_the_stub_sees_every_launch_a_layer_makes():
+def test_the_stub_sees_every_launch_a_layer_makes(stubbed_launches):
     """The stubbed GPU path of the BERT kernel layer (pre- and post-LN) and of TransformerLayer
     launches exactly the kernels, in the same order, that the same layers launch under Triton's
     interpreter (which runs them): nothing the layers launch escapes the stub's count."""
@@ -221,8 +260,7 @@ def test_the_stub_sees_every_launch_a_layer_makes():
     import tachyon.nn as tnn
     from tachyon.nn import TransformerKernelConfig, TransformerKernelLayer
 
-    out = run_without_interpreter(_LAYER_SCRIPT)
-    stubbed = json.loads(next(line for line in out.splitlines() if line.startswith("RESULTS ")).removeprefix("RESULTS "))
+    stubbed = stubbed_launches
     interpreted = {}
     with tachyon.use_backend("triton"):
         for pre_ln in (True, False):
@@ -241,3 +279,33 @@ def test_the_stub_sees_every_launch_a_layer_makes():
     for name in interpreted:
         assert len(interpreted[name]) >= 10, (name, interpreted[name])
         assert stubbed[name] == interpreted[name], (name, stubbed[name], interpreted[name])
+
+
+def test_fp8_cast_kernels_launch_through_the_cached_path(stubbed_launches):
+    """The FP8 cast kernels (per-tensor cast, cast + transpose, block cast, scale from amax) are
+    FastKernels: a tachyon.nn.Linear's second forward + backward under each recipe launches them
+    without Triton's own run, and the stub sees the same launches as the interpreter runs."""
+    import tachyon
+    import tachyon.nn as tnn
+    from tachyon.fp8 import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+
+    stubbed = stubbed_launches
+    assert stubbed["fp8 fast kernels"] == ["block_cast", "cast_flat", "cast_transpose", "scale_from_amax"]
+    recipes = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}
+    with tachyon.use_backend("triton"):
+        for name, cls in recipes.items():
+            linear = tnn.Linear(32, 32, params_dtype=torch.bfloat16)
+            x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+            recipe = cls()
+
+            def step(linear=linear, x=x, recipe=recipe):
+                with tachyon.autocast(recipe=recipe):
+                    y = linear(x)
+                y.float().sum().backward()
+
+            step()
+            interpreted = _interpreted_launches(step)
+            assert stubbed[f"fp8 {name}"] == interpreted, (name, stubbed[f"fp8 {name}"], interpreted)
+            assert stubbed[f"fp8 {name} plain runs"] == 0, name
+    assert any(n == "_block_cast_kernel" for n in stubbed["fp8 block"])
+    assert "_scale_from_amax_kernel" in stubbed["fp8 current"]

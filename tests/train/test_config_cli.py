@@ -4,6 +4,7 @@ and the command's argument handling (output dir, torchrun command, exit codes)."
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -293,6 +294,30 @@ def test_tp_and_pp_choose_the_process_count_and_travel_to_the_ranks(monkeypatch,
     assert run(_args("--model", "gpt", "--tp", "2", "--pp", "2", "--nproc", "3")) == 2
     err = capsys.readouterr().err
     assert "3" in err and ("tp_size" in err or "stages" in err), err
+
+
+def test_fp8_recipe_option_is_checked_and_travels_to_the_ranks():
+    """--fp8 {delayed,current,block}: TrainConfig.fp8 (model gpt, no pipeline, seq_len a multiple
+    of 16), forwarded to torchrun's ranks, and the autocast each forward of the job runs in."""
+    from tachyon.fp8 import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+    from tachyon.train.run import fp8_autocast
+
+    assert load_train_config(model="gpt", fp8="block").fp8 == "block"
+    assert load_train_config(model="gpt").fp8 is None
+    for kwargs in ({"model": "bert", "fp8": "current"}, {"model": "gpt", "fp8": "current", "pp": 2},
+                   {"model": "gpt", "fp8": "current", "seq_len": 40}):
+        with pytest.raises(ConfigError, match="fp8 'current' applies to model 'gpt' without pipeline stages"):
+            load_train_config(**kwargs)
+    with pytest.raises(ConfigError, match="fp8"):
+        load_train_config(model="gpt", fp8="mxfp8")
+    cmd = launch_command(_args("--model", "gpt", "--fp8", "current"), 2, Path("o"))
+    assert cmd[8:] == ["--model", "gpt", "--output-dir", "o", "--fp8", "current"]
+    recipes = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}
+    for name, cls in recipes.items():
+        context = fp8_autocast(name)()
+        assert context.settings.enabled and isinstance(context.recipe, cls)
+    assert fp8_autocast("delayed")().recipe.amax_history_len == 16
+    assert isinstance(fp8_autocast(None)(), contextlib.nullcontext)  # no FP8: nothing around the forwards
 
 
 def test_threads_follow_the_usable_cpus_not_the_host(monkeypatch, tmp_path):

@@ -1,12 +1,21 @@
-"""FP8 training with delayed scaling, Transformer Engine style.
+"""FP8 training, Transformer Engine 2.x style: delayed, current and block scaling.
 
     import tachyon
-    from tachyon.fp8 import DelayedScaling, Format
+    from tachyon.fp8 import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 
-    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
-    with tachyon.fp8_autocast(enabled=True, fp8_recipe=recipe):
+    recipe = Float8CurrentScaling()          # or DelayedScaling(...), Float8BlockScaling()
+    with tachyon.autocast(enabled=True, recipe=recipe):
         y = model(x)              # tachyon.nn.Linear / LayerNormLinear / LayerNormMLP GEMMs in FP8
     y.float().pow(2).mean().backward()   # outside the context
+
+``tachyon.fp8_autocast(enabled, calibrating, fp8_recipe, fp8_group)`` is the same context under
+Transformer Engine 1.x's names. The recipes (tachyon.fp8.recipe has the table):
+DelayedScaling (scales from past amaxes, below), Float8CurrentScaling (each tensor's scale from
+its own amax, in the same step), Float8BlockScaling (a power-of-2 scale per 1 x 128 block of
+inputs and gradients and per 128 x 128 block of weights, E4M3 everywhere; tachyon.fp8.block_linear)
+and MXFP8BlockScaling (1 x 32 blocks; compute capability 10.x only). Everything below about
+histories, updates, calibration and checkpointed scales concerns delayed scaling, the one recipe
+with state; the other recipes keep none and compute every scale from the tensor being cast.
 
 Why scaling. FP8 has few bits: E4M3 (max 448, 3 mantissa bits) keeps ~2 significant digits over
 about 18 binades, E5M2 (max 57344, 2 mantissa bits) trades precision for range. A tensor whose
@@ -75,27 +84,44 @@ checkpoint does the same). With PyTorch's own checkpoint pass
 it (or with the reentrant checkpoint, which takes none) an FP8 GEMM recomputed outside the
 autocast raises a RuntimeError naming the fix.
 
-Hardware. On CUDA devices of compute capability >= 8.9 (Ada, Hopper, Blackwell) the GEMM is
-``torch._scaled_mm`` on FP8 tensor cores. Elsewhere (older GPUs, CPU) it is emulated with the same
-numerics: cast to FP8 and back, multiply by scale_inv, matmul in fp32. Every GEMM dimension must
-be a multiple of 16 either way (``tachyon.capabilities()["fp8"]`` says which path runs).
+Hardware. On CUDA devices of compute capability >= 8.9 (Ada, Hopper, Blackwell) the per-tensor
+GEMM is ``torch._scaled_mm`` on FP8 tensor cores, and a block-scaled one too where this torch
+runs its blockwise scaling (compute capability 9.0, CUDA 12.9+). Elsewhere (older GPUs, CPU) it
+is emulated with the same numerics: cast to FP8 and back, multiply by scale_inv (per block),
+matmul in fp32. Every GEMM dimension must be a multiple of 16 either way
+(:func:`gemm_paths` and ``tachyon info`` say which path runs for each recipe).
+
+CUDA graphs. :func:`reduce_and_update_fp8_tensors` (Transformer Engine's name) updates the
+pending delayed-scaling states of a pass on demand, and :func:`update_module_scales` those of
+given modules after graph replays (tachyon.fp8.pending says when each applies).
 """
 
 from __future__ import annotations
 
-from tachyon.fp8.autocast import (
-    AutocastSettings, autocast_active, current_settings, fp8_autocast, is_fp8_enabled, recomputing,
+from tachyon.fp8.context import (
+    AutocastSettings, autocast, autocast_active, current_settings, fp8_autocast, is_fp8_enabled, recipe_support,
+    recomputing,
 )
+from tachyon.fp8.block_gemm import block_gemm, block_gemm_support
 from tachyon.fp8.checkpoint import fp8_checkpoint_context_fn, fp8_checkpoint_contexts
 from tachyon.fp8.gemm import FP8_ALIGNMENT, cast_from_fp8, cast_to_fp8, check_fp8_dims, fp8_gemm, native_fp8_supported
-from tachyon.fp8.linear import FP8ModuleMixin, fp8_linear
-from tachyon.fp8.recipe import FP8_E4M3, FP8_E5M2, FP8_MAX, DelayedScaling, Format
+from tachyon.fp8.linear import FP8ModuleMixin, decode_extra_state, encode_extra_state, fp8_linear
+from tachyon.fp8.paths import gemm_paths, is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available
+from tachyon.fp8.pending import pending_states, reduce_and_update_fp8_tensors, update_module_scales
+from tachyon.fp8.quantize import BlockQuantized, compute_scale, current_scale, dequantize, quantize_blocks
+from tachyon.fp8.recipe import (
+    FP8_E4M3, FP8_E5M2, FP8_MAX, RECIPES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MMParams,
+    MXFP8BlockScaling, QParams, Recipe,
+)
 from tachyon.fp8.scaling import CachedWeight, GemmScaling, ScalingState, reduce_amax, update_scales
 
 __all__ = [
-    "FP8_ALIGNMENT", "FP8_E4M3", "FP8_E5M2", "FP8_MAX", "AutocastSettings", "CachedWeight", "DelayedScaling",
-    "FP8ModuleMixin", "Format", "GemmScaling", "ScalingState", "autocast_active", "cast_from_fp8", "cast_to_fp8",
-    "check_fp8_dims", "current_settings", "fp8_autocast", "fp8_checkpoint_context_fn", "fp8_checkpoint_contexts",
-    "fp8_gemm", "fp8_linear", "is_fp8_enabled", "native_fp8_supported", "recomputing", "reduce_amax",
-    "update_scales",
+    "FP8_ALIGNMENT", "FP8_E4M3", "FP8_E5M2", "FP8_MAX", "RECIPES", "AutocastSettings", "BlockQuantized", "CachedWeight",
+    "DelayedScaling", "FP8ModuleMixin", "Float8BlockScaling", "Float8CurrentScaling", "Format", "GemmScaling",
+    "MMParams", "MXFP8BlockScaling", "QParams", "Recipe", "ScalingState", "autocast", "autocast_active", "block_gemm",
+    "block_gemm_support", "cast_from_fp8", "cast_to_fp8", "check_fp8_dims", "compute_scale", "current_scale",
+    "current_settings", "decode_extra_state", "dequantize", "encode_extra_state", "fp8_autocast",
+    "fp8_checkpoint_context_fn", "fp8_checkpoint_contexts", "fp8_gemm", "fp8_linear", "gemm_paths",
+    "is_fp8_available", "is_fp8_block_scaling_available", "is_fp8_enabled", "is_mxfp8_available", "native_fp8_supported", "pending_states", "quantize_blocks", "recipe_support", "recomputing",
+    "reduce_amax", "reduce_and_update_fp8_tensors", "update_module_scales", "update_scales",
 ]

@@ -16,10 +16,11 @@ precision tensors), and so would the gradients.
 
 What it does (Transformer Engine's checkpoint does the same for its FP8 modules):
 
-- forward context: remembers the open fp8_autocast settings (the whole stack) and, for each FP8
+- forward context: remembers the open autocast settings (the whole stack) and, for each FP8
   GEMM call inside the region, in order, the scale and scale_inv its input and weight were cast
   with (0-dim copies; for a weight taken from the ``is_first_microbatch`` cache, the cached FP8
-  weight itself, which the cache holds anyway).
+  weight itself, which the cache holds anyway). Block recipes keep only the cached weight: their
+  scales come from the data, which the recomputation reproduces.
 - recompute context: re-enters exactly those autocast settings and makes the k-th call of each
   GEMM use the k-th remembered scales. Nothing is recorded (no amax is added to a history a
   second time), nothing is registered for a scale update, no weight is cached, and an
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 
-from tachyon.fp8 import autocast as _autocast
+from tachyon.fp8 import context as _autocast
 from tachyon.fp8.scaling import GemmScaling
 
 ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
@@ -48,7 +49,9 @@ ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
 
 class GemmCall:
     """What one FP8 GEMM forward used, for its recomputation: the input's scale and scale_inv,
-    the weight's (scale None when the weight came from the cache) and the cached FP8 weight."""
+    the weight's (scale None when the weight came from the cache) and the cached FP8 weight
+    (per-tensor recipes: the FP8 tensor; block recipes: the CachedWeight, scales all None: the
+    recomputation quantizes the same input the same way)."""
 
     __slots__ = ("cached_weight", "input_scale", "input_scale_inv", "weight_scale", "weight_scale_inv")
 

@@ -88,6 +88,7 @@ def fp8_gemm(
     out_dtype: torch.dtype,
     *,
     native: bool | None = None,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """out [M, N] = (a * a_scale_inv) @ (b * b_scale_inv).T in ``out_dtype``.
 
@@ -95,6 +96,8 @@ def fp8_gemm(
     fp32 0-dim. M, N, K must be multiples of 16. ``native``: None picks torch._scaled_mm where
     the device supports it; False forces the emulation; True demands the native path.
     E5M2 x E5M2 is not a combination the FP8 tensor cores take; this GEMM accepts it only emulated.
+    use_fast_accum: torch._scaled_mm's fast FP8 accumulation (a recipe's
+    ``use_split_accumulator=False``); the emulation always accumulates in fp32.
     """
     _check_operand("a", a)
     _check_operand("b", b)
@@ -112,7 +115,7 @@ def fp8_gemm(
         # _scaled_mm wants mat1 row-major [M, K] and mat2 column-major [K, N]
         return torch._scaled_mm(
             a.contiguous(), b.contiguous().t(), scale_a=a_scale_inv.reshape(()).float(),
-            scale_b=b_scale_inv.reshape(()).float(), out_dtype=out_dtype,
+            scale_b=b_scale_inv.reshape(()).float(), out_dtype=out_dtype, use_fast_accum=use_fast_accum,
         )
     a32 = a.to(torch.float32) * a_scale_inv
     b32 = b.to(torch.float32) * b_scale_inv

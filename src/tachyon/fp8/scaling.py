@@ -35,6 +35,10 @@ class ScalingState:
     """
 
     def __init__(self, amax_history_len: int = 16, *, backward: bool = False, device: torch.device | str | None = None) -> None:
+        # on CPU unless told: a model built under a meta-device context (Hugging Face's
+        # from_pretrained) still has a state that state_dict() can encode; the first FP8 forward
+        # moves it to the data's device
+        device = torch.device("cpu") if device is None else device
         self.backward = backward
         self.amax_history = torch.zeros(amax_history_len, dtype=torch.float32, device=device)
         self.scale = torch.ones((), dtype=torch.float32, device=device)
@@ -107,16 +111,18 @@ class ScalingState:
 class CachedWeight:
     """A GEMM's FP8 weight kept across the micro-batches of one step (``is_first_microbatch``).
 
-    data: [out_features, in_features] in the forward FP8 dtype; scale_inv: fp32 0-dim, the
-    1 / scale ``data`` was cast with (so a later scale update cannot desynchronize the pair);
-    data_t: ``data.T`` contiguous where the FP8 GEMMs take transposed operands (torch._scaled_mm),
-    else None.
+    Per-tensor recipes (delayed, current scaling): data [out_features, in_features] in the
+    forward FP8 dtype; scale_inv: fp32 0-dim, the 1 / scale ``data`` was cast with (so a later
+    scale update cannot desynchronize the pair); data_t: ``data.T`` contiguous where the FP8 GEMMs
+    take transposed operands (torch._scaled_mm), else None. Block recipes: data, the weight
+    quantized for the forward GEMM, and data_t, for the input-gradient GEMM (both
+    tachyon.fp8.quantize.BlockQuantized); scale_inv None. kind: the recipe's short name.
     """
 
-    __slots__ = ("data", "data_t", "scale_inv")
+    __slots__ = ("data", "data_t", "kind", "scale_inv")
 
-    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, data_t: torch.Tensor | None = None) -> None:
-        self.data, self.scale_inv, self.data_t = data, scale_inv, data_t
+    def __init__(self, data, scale_inv: torch.Tensor | None, data_t=None, kind: str = "delayed") -> None:
+        self.data, self.scale_inv, self.data_t, self.kind = data, scale_inv, data_t, kind
 
 
 class GemmScaling:
@@ -131,14 +137,20 @@ class GemmScaling:
         self.weight_cache: CachedWeight | None = None
         self.ran_fp8 = False  # set by the first FP8 forward (to detect an FP8-less recompute)
 
-    def cached_weight(self, weight: torch.Tensor, fp8_dtype: torch.dtype) -> CachedWeight:
-        """The cached FP8 weight for ``weight`` [N, K]; ValueError when there is none that fits."""
+    def cached_weight(self, weight: torch.Tensor, fp8_dtype: torch.dtype, kind: str = "delayed") -> CachedWeight:
+        """The cached FP8 weight for ``weight`` [N, K] under recipe ``kind``; ValueError when there
+        is none that fits."""
         cache = self.weight_cache
         if cache is None:
             raise ValueError(
                 "is_first_microbatch=False, but this GEMM has no cached FP8 weight yet: pass "
                 "is_first_microbatch=True on the first micro-batch of each step (inside an enabled "
                 "fp8_autocast) to cast and cache the weight, then False on the following ones"
+            )
+        if cache.kind != kind:
+            raise ValueError(
+                f"is_first_microbatch=False: the cached FP8 weight was cast under the {cache.kind!r} recipe and this "
+                f"call runs {kind!r}; pass is_first_microbatch=True to cast and cache it again"
             )
         if cache.data.shape != weight.shape or cache.data.dtype != fp8_dtype or cache.data.device != weight.device:
             raise ValueError(

@@ -8,6 +8,7 @@
     tachyon train CONFIG --steps 600 --nproc 1 --output-dir runs/mine --quiet
     tachyon train --pld                         progressive layer drop on (--no-pld: off, whatever CONFIG says)
     tachyon train --model gpt --tp 2 --pp 2     the GPT split 2 ways within layers and 2 ways by layers
+    tachyon train --model gpt --fp8 current     the GPT's TransformerLayer GEMMs in FP8 (delayed, current, block)
 
 Launching: outside a torchrun environment with more than one process, the command re-executes
 itself as ``python -m torch.distributed.run --standalone --nproc-per-node N -m tachyon.train ...``
@@ -86,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pipeline stages (model gpt): sets the engine section's pipeline.stages; above 1, "
                              "ZeRO stage 2 becomes 1 and the micro-batches per step are at least M (default: as "
                              "the config says; 1 in the built-in jobs)")
+    parser.add_argument("--fp8", choices=("delayed", "current", "block"), default=None,
+                        help="model gpt: the TransformerLayers' GEMMs in FP8 under this recipe (delayed, current or "
+                             "block scaling; tachyon.autocast around each forward) (default: as the config says; "
+                             "off in the built-in jobs)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in the output dir (default: off, a new run)")
     parser.add_argument("--reschedule", action="store_true",
@@ -151,7 +156,7 @@ def launch_command(args: argparse.Namespace, nproc: int, output_dir: Path) -> li
         cmd += ["--steps", str(args.steps)]
     if getattr(args, "pld", None) is not None:
         cmd.append("--pld" if args.pld else "--no-pld")
-    for flag in ("tp", "pp"):
+    for flag in ("tp", "pp", "fp8"):
         if getattr(args, flag, None) is not None:
             cmd += [f"--{flag}", str(getattr(args, flag))]
     for flag in ("resume", "reschedule", "no_progress", "quiet"):
@@ -178,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
     source = args.config if args.config is not None else default_config_path(args.model or "bert")
     try:
         config = load_train_config(source, model=args.model, pld=getattr(args, "pld", None),
-                                   tp=getattr(args, "tp", None), pp=getattr(args, "pp", None), steps=args.steps)
+                                   tp=getattr(args, "tp", None), pp=getattr(args, "pp", None), steps=args.steps,
+                                   fp8=getattr(args, "fp8", None))
         model_parallel = config.tensor_parallel_size * config.pipeline_stages
         nproc = None if _in_torchrun() else _process_count(args, config.nproc, model_parallel)
         if nproc is not None:  # check the engine section here, not in N processes after the launch

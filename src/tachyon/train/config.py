@@ -127,6 +127,11 @@ class TrainConfig(Section):
     """torch intra-op threads per process on CPU; null: the machine's cores / nproc."""
     seed: NonNegativeInt = 0
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    fp8: Literal["delayed", "current", "block"] | None = None
+    """GPT only: run the TransformerLayers' GEMMs in FP8 under this recipe (tachyon.autocast around
+    each training and validation forward): "delayed" (DelayedScaling(amax_history_len=16,
+    amax_compute_algo="max"), amaxes all-reduced over every rank), "current" (Float8CurrentScaling())
+    or "block" (Float8BlockScaling()); null: no FP8."""
     engine: dict[str, Any] = Field(default_factory=lambda: copy.deepcopy(DEFAULT_ENGINE))
 
     @model_validator(mode="after")
@@ -151,6 +156,11 @@ class TrainConfig(Section):
                 f"tensor parallelism (tp {self.tensor_parallel_size}) and pipeline parallelism (pp "
                 f"{self.pipeline_stages}) apply to model 'gpt' only: the BERT job's fused kernel layer has no "
                 "tensor-parallel form and no pipeline layer list; use --model gpt")
+        if self.fp8 is not None and (self.model != "gpt" or self.pipeline_stages > 1 or self.seq_len % 16):
+            raise ValueError(f"fp8 {self.fp8!r} applies to model 'gpt' without pipeline stages and with a seq_len that "
+                             f"is a multiple of 16 (FP8 GEMM dimensions; got model {self.model!r}, pp "
+                             f"{self.pipeline_stages}, seq_len {self.seq_len}): the BERT job's fused kernel layer has "
+                             "no FP8 GEMMs, and a pipeline runs its backward inside the forward's schedule")
         pld = self.engine.get("progressive_layer_drop")
         if self.pipeline_stages > 1 and isinstance(pld, dict) and pld.get("enabled") is True:
             raise ValueError(f"progressive layer drop with pipeline parallelism (pp {self.pipeline_stages}) is not "

@@ -34,6 +34,8 @@ train until the engine's ``global_steps`` reaches ``config.steps``:
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import re
 import sys
@@ -242,6 +244,12 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
     console.write(f"unigram baseline on the validation targets: {baseline.loss:.3f} nats/token "
                   f"(perplexity {baseline.perplexity:.1f})")
 
+    fp8 = fp8_autocast(config.fp8)
+    if config.fp8 is not None:
+        from tachyon.fp8 import gemm_paths
+
+        console.write(f"FP8: the TransformerLayers' GEMMs under {type(fp8().recipe).__name__} "
+                      f"({gemm_paths(device)[config.fp8][1]})")
     if pld is not None:
         console.write(f"progressive layer drop: keep ratio theta(t) = {1 - pld.theta:g} * exp(-{pld.gamma:g} t) + "
                       f"{pld.theta:g}; layer l of {config.num_layers} runs with probability 1 - l/{config.num_layers}"
@@ -265,8 +273,9 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
         if pp > 1:
             latest = evaluate_pipeline(engine, val_set, indices, micro_batch)
         else:
-            latest = evaluate(engine.module, val_set, indices, micro_batch, device, dp_rank, dp,
-                              group=None if engine.mesh is None else engine.data_parallel_group)
+            with fp8():
+                latest = evaluate(engine.module, val_set, indices, micro_batch, device, dp_rank, dp,
+                                  group=None if engine.mesh is None else engine.data_parallel_group)
         evaluations.append({"step": step, "loss": latest.loss, "accuracy": latest.accuracy,
                             "baseline_loss": baseline.loss, "baseline_accuracy": baseline.accuracy})
         if log is not None:
@@ -296,7 +305,8 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
                 else:
                     if engine.micro_steps % engine.gradient_accumulation_steps() == 0:
                         theta = engine.get_pld_theta()  # what this step's forwards get (the engine passes it)
-                    loss = engine(**batch)
+                    with fp8():
+                        loss = engine(**batch)
                     engine.backward(loss)
                     boundary = engine.is_gradient_accumulation_boundary()
                     engine.step()
@@ -352,6 +362,19 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
                 time.perf_counter() - started, output_dir, output, pld, whole, layout)
     engine.destroy()  # closes the monitor files and the engine's data-parallel group
     return result
+
+
+def fp8_autocast(name: str | None):
+    """A factory of the context each forward runs in: tachyon.autocast under TrainConfig.fp8's
+    recipe (delayed scaling's amaxes all-reduced over every process), or none without FP8."""
+    if name is None:
+        return contextlib.nullcontext
+    from tachyon.fp8 import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+
+    recipe = {"delayed": DelayedScaling(amax_history_len=16, amax_compute_algo="max"),
+              "current": Float8CurrentScaling(), "block": Float8BlockScaling()}[name]
+    group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+    return lambda: tachyon.autocast(enabled=True, recipe=recipe, amax_reduction_group=group)
 
 
 def pipeline_model(config: TrainConfig, section: Any, gpt: torch.nn.Module, vocab_size: int, dtype: torch.dtype,
@@ -462,7 +485,8 @@ def _finish(config: TrainConfig, engine: Any, tokenizer: Any, val_set: Any, resu
         f"tachyon train: {config.model} ({config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_heads} heads, {n_params / 1e6:.2f} M parameters), {tokenizer.name} tokenizer "
         f"({tokenizer.vocab_size} ids), seq_len {config.seq_len}",
-        f"job: {world} process(es){layout} on {engine.device.type}, {precision}, ZeRO stage "
+        f"job: {world} process(es){layout} on {engine.device.type}, {precision}"
+        f"{f', FP8 {config.fp8} scaling' if config.fp8 else ''}, ZeRO stage "
         f"{engine.zero_optimization_stage()}, global batch {engine.train_batch_size()} "
         f"(micro-batch {engine.train_micro_batch_size_per_gpu()} x {engine.gradient_accumulation_steps()} "
         f"accumulation x {engine.data_parallel_world_size} data-parallel ranks)",

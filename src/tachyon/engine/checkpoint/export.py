@@ -123,7 +123,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
     """Write the module's weights in the model dtype (fp16/bf16 when training in it, else fp32)
     to ``save_dir/save_filename`` on rank 0 (DeepSpeed's save_16bit_model), whole: tensor- and
     pipeline-parallel parts are gathered (`consolidated_state_dict`); tensors only (a module's
-    non-tensor ``_extra_state``, such as FP8 metadata, is left out). ``.safetensors`` files
+    non-tensor ``_extra_state`` is left out; tachyon's FP8 state is a uint8 tensor and is kept). ``.safetensors`` files
     get transformers' metadata and, when the module has ``config.save_pretrained``, its
     ``config.json`` beside them, so ``from_pretrained(save_dir)`` loads them; other names are
     written with torch.save. Every rank must call this (ranks then wait for rank 0). Returns the
@@ -147,8 +147,8 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
 
 def _write_state(state: dict[str, torch.Tensor], config: object, save_dir: Path, save_filename: str) -> str:
     save_dir.mkdir(parents=True, exist_ok=True)
-    # weights only: non-tensor entries (the FP8 metadata tachyon.nn modules keep in _extra_state)
-    # cannot go into safetensors, and a weights file is loaded with strict=False or by name
+    # tensors only: a non-tensor _extra_state cannot go into safetensors (tachyon.nn's FP8 state is
+    # a uint8 tensor, kept), and a weights file is loaded with strict=False or by name
     state = _unique_views({k: v for k, v in state.items() if torch.is_tensor(v)})
     state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
     target = save_dir / save_filename

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .manifest import FORMAT, VERSION, CheckpointError
-from .state import dtype_name, flat_state_keys, full_shape, model_state_keys, param_names
+from .state import dtype_name, flat_state_keys, full_shape, is_extra_state, model_state_keys, param_names
 
 logger = logging.getLogger("tachyon.checkpoint")
 
@@ -204,6 +204,8 @@ def check_compatible(engine, meta: dict, *, optimizer: bool, module_only: bool, 
     current_keys = model_state_keys(engine)
     left_out = bool(meta.get("exclude_frozen_parameters"))
     for key, entry in current_keys.items():
+        if entry["source"] == "model" and is_extra_state(key):
+            continue  # checked by the module's set_extra_state; absent from checkpoints that predate it
         if entry["source"] == "model":
             other = meta["model_keys"].get(key)
             if other is None and (not strict or (left_out and entry.get("parameter"))):

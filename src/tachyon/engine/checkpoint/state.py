@@ -51,6 +51,13 @@ class Piece:
     master_offset: int
 
 
+def is_extra_state(key: str) -> bool:
+    """A module's ``get_extra_state()`` entry (FP8 scaling state, dropout streams): saved as the
+    tensor the module encodes it in, restored through ``set_extra_state``; its size may differ
+    from the live module's (an FP8 amax history of another length)."""
+    return key == "_extra_state" or key.endswith("._extra_state")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -240,7 +247,13 @@ def load_targets(engine, meta: dict, *, optimizer: bool, module_only: bool) -> L
                 dcp_state[f"{OPTIM_GROUP}{g}/{key}"] = other_states[(g, key)] = t
     saved = meta["model_keys"]
     for key, entry in model_state_keys(engine).items():
-        if entry["source"] == "model" and key in saved:  # a frozen parameter may have been left out
+        if entry["source"] == "model":
+            if is_extra_state(key):  # a module's own encoding: the saved shape (none in older checkpoints)
+                entry = meta["model_keys"].get(key)
+                if entry is None or entry["source"] != "model":
+                    continue
+            elif key not in saved:  # a frozen parameter may have been left out
+                continue
             t = torch.empty(entry["shape"], dtype=dtype_of(entry["dtype"]), device=device)
             dcp_state[MODEL + key] = model[key] = t
     return LoadTargets(dcp_state, masters, flat_states, other_states, model, mine)
@@ -287,7 +300,14 @@ def commit(engine, meta: dict, targets: LoadTargets, *, optimizer: bool) -> None
                 engine.optimizer.state[master] = state
     current = engine.module.state_dict(keep_vars=True)
     tp = tp_of(engine.mesh)
+    extra = {key: tensor for key, tensor in targets.model.items() if is_extra_state(key)}
+    if extra:  # get_extra_state() returns a fresh value: the module takes it back through set_extra_state
+        result = engine.module.load_state_dict(extra, strict=False)
+        if result.unexpected_keys:
+            raise CheckpointError(f"the model did not take the saved extra states {result.unexpected_keys[:5]}")
     for key, tensor in targets.model.items():
+        if key in extra:
+            continue
         spec = shard_spec_of(current[key])
         if spec is not None and tp is not None:
             from tachyon.parallel.tensor.shard import shard_tensor

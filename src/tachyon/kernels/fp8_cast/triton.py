@@ -29,6 +29,7 @@ import triton.language as tl
 
 from tachyon.kernels.fp8_cast.reference import fp8_format
 from tachyon.kernels.ints import cdiv
+from tachyon.kernels.launch import fast_launch
 
 
 @triton.jit
@@ -65,6 +66,7 @@ def _fold_amax(AMAX, block_max_bits):
     tl.atomic_max(AMAX, tl.full((), 0x7FC00000, tl.int32), mask=was_negative_nan)
 
 
+@fast_launch
 @triton.jit
 def _cast_flat_kernel(
     X, SCALE, OUT, AMAX, numel,
@@ -83,6 +85,7 @@ def _cast_flat_kernel(
         _fold_amax(AMAX, tl.max(abs_bits, axis=0))
 
 
+@fast_launch
 @triton.jit
 def _cast_transpose_kernel(
     X, SCALE, OUT, OUT_T, AMAX, M, N, stride_xm, stride_xn,

@@ -1,22 +1,22 @@
-"""``transformer_engine.common.recipe``: ``Format`` and ``DelayedScaling`` are `tachyon.fp8`'s.
+"""``transformer_engine.common.recipe``: the FP8 recipes are `tachyon.fp8`'s.
 
-tachyon implements delayed scaling (per-tensor scales from an amax history) with the E4M3 and
-HYBRID formats; Transformer Engine's newer recipes (current scaling, MXFP8 and block scaling,
-NVFP4) are not implemented and raise NotImplementedError naming DelayedScaling.
+``Format``, ``DelayedScaling``, ``Float8CurrentScaling``, ``Float8BlockScaling``,
+``MXFP8BlockScaling`` (Transformer Engine 2.x's fields and defaults; MXFP8 runs only on compute
+capability 10.x), ``QParams``, ``MMParams`` and ``Recipe``. NVFP4 and custom recipes are not
+implemented and raise NotImplementedError naming the recipes that are.
 """
 
 from __future__ import annotations
 
 from tachyon.compat._names import Target, module_getattr, unsupported
 
-_DELAYED_ONLY = "tachyon implements delayed scaling only; use DelayedScaling(fp8_format=Format.HYBRID)"
-_TABLE = {
-    "Format": Target((("tachyon.fp8.recipe", "Format"),)),
-    "DelayedScaling": Target((("tachyon.fp8.recipe", "DelayedScaling"),)),
-    "Float8CurrentScaling": unsupported(_DELAYED_ONLY),
-    "MXFP8BlockScaling": unsupported(_DELAYED_ONLY),
-    "Float8BlockScaling": unsupported(_DELAYED_ONLY),
-    "NVFP4BlockScaling": unsupported(_DELAYED_ONLY),
-}
+_FP8_RECIPES = ("use DelayedScaling, Float8CurrentScaling, Float8BlockScaling or MXFP8BlockScaling (FP8)")
+_TABLE = {name: Target((("tachyon.fp8.recipe", name),))
+          for name in ("Format", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
+                       "QParams", "MMParams", "Recipe")}
+_TABLE.update({
+    "NVFP4BlockScaling": unsupported("NVFP4 (4-bit) training is not implemented by tachyon; " + _FP8_RECIPES),
+    "CustomRecipe": unsupported("custom quantizer recipes are not implemented by tachyon; " + _FP8_RECIPES),
+})
 __getattr__ = module_getattr(__name__, "transformer_engine.common.recipe", _TABLE)
 __all__ = [*_TABLE]

@@ -2,7 +2,9 @@
 
 ``te.Linear``, ``te.LayerNorm``, ``te.RMSNorm``, ``te.LayerNormLinear``, ``te.LayerNormMLP``,
 ``te.DotProductAttention``, ``te.MultiheadAttention``, ``te.TransformerLayer`` are `tachyon.nn`'s
-modules (TE's arguments and parameter names), ``te.fp8_autocast`` is `tachyon.fp8_autocast`,
+modules (TE's arguments and parameter names), ``te.autocast`` is `tachyon.autocast` (and
+``te.fp8_autocast`` `tachyon.fp8_autocast`), ``te.is_fp8_available`` /
+``is_fp8_block_scaling_available`` / ``is_mxfp8_available`` are `tachyon.fp8`'s,
 ``te.RotaryPositionEmbedding`` is `tachyon.nn.RotaryPositionEmbedding`, ``te.make_graphed_callables``
 is `tachyon.make_graphed_callables` (CUDA graphs, FP8 included), and ``te.checkpoint`` (also
 ``te.distributed.checkpoint``) runs tachyon's activation checkpoint after checking TE's keywords.
@@ -20,7 +22,11 @@ _NN = ("Linear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP", "Dot
        "MultiheadAttention", "TransformerLayer", "RotaryPositionEmbedding")
 _TABLE = {name: Target((("tachyon.nn", name),)) for name in _NN}
 _TABLE.update({
+    "autocast": Target((("tachyon.fp8", "autocast"),)),
     "fp8_autocast": Target((("tachyon.fp8", "fp8_autocast"),)),
+    "is_fp8_available": Target((("tachyon.fp8", "is_fp8_available"),)),
+    "is_fp8_block_scaling_available": Target((("tachyon.fp8", "is_fp8_block_scaling_available"),)),
+    "is_mxfp8_available": Target((("tachyon.fp8", "is_mxfp8_available"),)),
     "checkpoint": Target((("tachyon.compat.transformer_engine.pytorch.distributed", "checkpoint"),)),
     "fp8_model_init": unsupported("FP8 parameters are not implemented by tachyon: weights stay in bf16/fp16/fp32 "
                                   "and are cast in each FP8 GEMM (cached across micro-batches with "
