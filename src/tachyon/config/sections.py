@@ -24,6 +24,7 @@ from .types import (
     PositiveInt,
     Section,
     ZeroStage,
+    _integral_float,
     problem,
 )
 
@@ -72,9 +73,15 @@ def _none_means_false(value: Any) -> Any:
 
 class ZeroConfig(Section):
     """``"zero_optimization"``: ZeRO stage 0 (plain data parallel), 1 (optimizer states
-    partitioned) or 2 (optimizer states and gradients partitioned). Bucket sizes count elements.
+    partitioned), 2 (optimizer states and gradients partitioned) or 3 (parameters too, on
+    torch's FSDP2: docs/zero.md). Bucket sizes count elements.
 
     ``overlap_comm: null`` means DeepSpeed's dynamic default, which is false below stage 3.
+    ``stage3_prefetch_bucket_size``: at stage 3, non-zero makes each sharded block's forward
+    prefetch the next block's all-gather (FSDP2's explicit forward prefetch; the size itself is
+    not used: FSDP2 gathers whole blocks), 0 turns that off. ``shard_module_classes``
+    (tachyon's): class names of the modules stage 3 shards as one unit each, besides the ones it
+    finds itself (tachyon's transformer layers and an HF model's ``_no_split_modules``).
     """
 
     stage: ZeroStage = 0
@@ -84,6 +91,26 @@ class ZeroConfig(Section):
     allgather_bucket_size: BucketSize = 500_000_000
     overlap_comm: Annotated[bool, BeforeValidator(_none_means_false)] = False
     round_robin_gradients: bool = False
+    stage3_prefetch_bucket_size: Annotated[int, BeforeValidator(_integral_float), Field(ge=0)] = 50_000_000
+    prefetch_bucket_size: Annotated[int, BeforeValidator(_integral_float), Field(ge=0)] | None = Field(None, exclude=True)
+    """DeepSpeed's other spelling of ``stage3_prefetch_bucket_size`` (read as that key)."""
+    shard_module_classes: list[str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_prefetch_key(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("prefetch_bucket_size") is None:
+            return data
+        data = dict(data)
+        other = data.pop("prefetch_bucket_size")
+        if "stage3_prefetch_bucket_size" in data and data["stage3_prefetch_bucket_size"] != other:
+            raise problem(
+                f"`zero_optimization.prefetch_bucket_size` ({other}) and `zero_optimization."
+                f"stage3_prefetch_bucket_size` ({data['stage3_prefetch_bucket_size']}) name the same setting with "
+                "different values; keep one"
+            )
+        data["stage3_prefetch_bucket_size"] = other
+        return data
 
 
 class DataTypesConfig(Section):

@@ -145,6 +145,20 @@ class ZeroStrategy:
             master = self.flat.buffer.narrow(0, region.start, numel).detach().to(torch.float32, copy=True)
         return master.requires_grad_(True)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model buffer and the masters live."""
+        return self.flat.buffer.device
+
+    def master_index(self, slot) -> int:
+        """Index in ``masters`` of the master holding ``slot``'s elements (one master per param
+        group at stages 0-2; one per parameter at stage 3)."""
+        return slot.group
+
+    def group_masters(self, group: int) -> list[torch.Tensor]:
+        """The masters of optimizer param group ``group``."""
+        return [self.masters[group]]
+
     def optimizer_param_groups(self, *, with_segments: bool = True) -> list[dict]:
         """One group per region: ``params = [flat fp32 master]``, the original hyperparameters,
         and (``with_segments``) ``segments`` (int64 [n_seg, 3]: start, length, parameter index) /

@@ -1,0 +1,293 @@
+"""`Stage3`: the engine's ZeRO strategy at stage 3, on the FSDP2-sharded model of
+`tachyon.engine.zero.fsdp` (read that module's docstring first).
+
+The engine calls it exactly as it calls stages 0-2 (`tachyon.engine.zero.base.ZeroStrategy`):
+``begin_backward`` / ``end_backward`` around each backward (FSDP2's hooks do the reduce-scatter
+inside it, every micro-step, accumulating into the fp32 sharded gradient), then on the boundary
+``master_grads`` (this rank's gradient shards, fp32), ``grad_norm`` (one SUM all-reduce of the
+squared local norms over the data-parallel group, and over the model-parallel ranks with tensor
+parallelism), the optimizer step on the masters (views of the sharded fp32 parameters: the step
+writes the parameters themselves), ``after_step`` (nothing to gather: FSDP2 gathers before the
+next forward) and ``zero_grad``.
+
+The optimizer sees one fp32 tensor per trained parameter per param group -- this rank's shard,
+flattened -- so Adam's moments are sharded too. ``slot.index`` is a parameter's master index
+(stages 0-2 have one master per param group: `master_index`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import _OWNER
+from .comm import DataParallelComm
+from .fsdp import (
+    Stage3Layout,
+    Stage3Region,
+    Stage3Slot,
+    data_parallel_group,
+    local_shard,
+    shard_model,
+    shard_range,
+)
+
+
+class Stage3:
+    """ZeRO stage 3 over FSDP2 (module docstring).
+
+    Args:
+        model: the model (sharded in place by `tachyon.engine.zero.fsdp.shard_model`).
+        param_groups: torch-optimizer-style groups over the model's (unsharded) parameters.
+        model_dtype: the compute dtype (fp32, bf16 or fp16).
+        comm: the data-parallel collectives; its group is the one the parameters are sharded over.
+        device: the training device.
+        mesh: the tachyon Mesh (tensor parallelism), or None.
+        comm_dtype: the dtype gradients are reduce-scattered in (None: the model dtype).
+        unit_classes: ``zero_optimization.shard_module_classes``.
+        prefetch: whether each unit's forward prefetches the next unit's all-gather.
+    """
+
+    stage = 3
+    partitioned_masters = True
+    exposes_param_grads = False
+
+    def __init__(self, model: nn.Module, param_groups: list[dict], *, model_dtype: torch.dtype,
+                 comm: DataParallelComm, device: torch.device, mesh: Any = None,
+                 comm_dtype: torch.dtype | None = None, unit_classes: list[str] | None = None,
+                 prefetch: bool = True) -> None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        plan = []
+        seen: set[int] = set()
+        for group in param_groups:
+            entries = []
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise ValueError("a parameter appears in more than one optimizer param group")
+                seen.add(id(p))
+                if id(p) not in names:
+                    raise ValueError("a parameter to train is not a parameter of the model; ZeRO stage 3 shards the "
+                                     "model's own parameters (pass model_parameters from model.parameters())")
+                entries.append((names[id(p)], p.requires_grad))
+            plan.append((entries, {k: v for k, v in group.items() if k != "params"}))
+        self.comm, self.world_size, self.rank = comm, comm.world_size, comm.rank
+        self.model_dtype = model_dtype
+        self.grad_accum_dtype = torch.float32
+        self.comm_dtype = comm_dtype or model_dtype
+        self.device = device
+        self.module = model
+        self.units = shard_model(model, group=data_parallel_group(comm, mesh), device=device,
+                                 model_dtype=model_dtype, reduce_dtype=self.comm_dtype,
+                                 extra_classes=unit_classes, prefetch=prefetch)
+        sharded = dict(model.named_parameters())
+        regions, frozen, index = [], [], 0
+        for g, (entries, options) in enumerate(plan):
+            slots = []
+            for name, trained in entries:
+                if not trained:
+                    frozen.append(sharded[name])
+                    continue
+                slots.append(Stage3Slot(sharded[name], name, g, index, len(slots)))
+                index += 1
+            regions.append(Stage3Region(g, slots, options))
+        self.flat = Stage3Layout(regions, frozen)
+        self.masters = [self._make_master(slot) for slot in self.flat.slots]
+        self._slot_of = {id(slot.param): slot for slot in self.flat.slots}
+        self._model_parallel_sum: Callable[[torch.Tensor], object] | None = None
+        self._duplicates: set[int] = set()
+        for slot in self.flat.slots:
+            _OWNER[id(slot.param)] = weakref.ref(self)
+
+    # ------------------------------------------------------------------ masters
+    def _make_master(self, slot: Stage3Slot) -> torch.Tensor:
+        return local_shard(slot.param).view(-1).requires_grad_(True)
+
+    def _check_alias(self, slot: Stage3Slot) -> None:
+        """Re-point the master at the parameter's shard if something replaced its storage
+        (``load_state_dict(assign=True)``, ``module.to()``): the optimizer state stays keyed by the master."""
+        master, local = self.masters[slot.index], local_shard(slot.param)
+        if local.numel() and master.data_ptr() != local.data_ptr():
+            master.data = local.view(-1)
+
+    def master_index(self, slot: Stage3Slot) -> int:
+        """Index in ``masters`` of ``slot``'s master (one per parameter at stage 3)."""
+        return slot.index
+
+    def group_masters(self, group: int) -> list[torch.Tensor]:
+        """The masters of optimizer param group ``group``."""
+        return [self.masters[slot.index] for slot in self.flat.regions[group].slots]
+
+    def optimizer_param_groups(self, *, with_segments: bool = True) -> list[dict]:
+        """One group per given group: its hyperparameters and this rank's fp32 master shards."""
+        del with_segments  # LAMB (the one reader of segments) is refused at stage 3
+        return [dict(region.options, params=self.group_masters(region.index)) for region in self.flat.regions]
+
+    def master_pieces(self, rank: int, *, whole: bool = False) -> list[list[tuple[int, int, int]]]:
+        """Per slot: ``[(lo, hi, 0)]``, the range of the flattened parameter ``rank``'s master holds
+        (its FSDP2 shard; ``whole`` needs one rank)."""
+        if whole and self.world_size > 1:
+            raise ValueError(f"stage 3 on {self.world_size} ranks holds shards; whole=True needs one rank")
+        out = []
+        for slot in self.flat.slots:
+            lo, hi = (0, slot.numel) if whole else shard_range(slot, rank, self.world_size)
+            out.append([(lo, hi, 0)] if hi > lo else [])
+        return out
+
+    def norm_reducer(self, tensor: torch.Tensor) -> torch.Tensor:
+        """SUM all-reduce of a fp32 tensor over the data-parallel ranks (the shards' owners)."""
+        self.comm.sum_(tensor)
+        return tensor
+
+    def set_model_parallel(self, sum_: Callable[[torch.Tensor], object], duplicates: set[int]) -> None:
+        """As `ZeroStrategy.set_model_parallel`: the norm also sums over the model-parallel ranks,
+        leaving out the parameters another rank counts."""
+        self._model_parallel_sum, self._duplicates = sum_, set(duplicates)
+
+    def set_local_gradients(self, predicate: Callable[[], bool]) -> None:
+        del predicate
+        raise RuntimeError("ZeRO stage 3 reduce-scatters every gradient inside the backward; an optimizer that "
+                           "averages gradients itself (1-bit Adam / LAMB) cannot run on it: use stage 0")
+
+    # ------------------------------------------------------------------ backward
+    def begin_backward(self, boundary: bool) -> None:
+        """FSDP2's hooks reduce-scatter during every backward (DeepSpeed's stage 3 does too)."""
+        del boundary
+
+    def end_backward(self) -> None:
+        """Nothing: FSDP2 waits for its reduce-scatters at the end of the backward."""
+
+    def _reduces(self, boundary: bool) -> bool:
+        del boundary
+        return True
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        raise RuntimeError("ZeRO stage 3 reduces inside every backward; deferring the reduction (a pipeline "
+                           "schedule, engine.no_sync) is not available at stage 3")
+        yield  # pragma: no cover
+
+    def reduce_param_grads(self) -> None:
+        raise RuntimeError("ZeRO stage 3 reduce-scatters the gradients inside every backward (FSDP2's hooks); "
+                           "there is nothing left to reduce by hand")
+
+    def release(self) -> None:
+        """Nothing to remove: FSDP2's hooks belong to the sharded model."""
+
+    # ------------------------------------------------------------------ step
+    def master_grads(self) -> list[torch.Tensor]:
+        """``master.grad`` for every parameter: the flat view of its fp32 gradient shard (zeros
+        for a parameter no rank got a gradient for). Returns them in ``masters`` order."""
+        grads = []
+        for slot, master in zip(self.flat.slots, self.masters):
+            self._check_alias(slot)
+            grad = slot.param.grad
+            master.grad = torch.zeros_like(master) if grad is None else local_shard(grad).reshape(-1)
+            grads.append(master.grad)
+        return grads
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The global L2 norm of the averaged gradient (0-dim fp32), every parameter counted once."""
+        squares = [torch.linalg.vector_norm(g, dtype=torch.float32).square()
+                   for slot, g in zip(self.flat.slots, grads) if id(slot.param) not in self._duplicates and g.numel()]
+        total = torch.stack(squares).sum().reshape(1) if squares else torch.zeros(1, device=self._norm_device())
+        total = total.to(self._norm_device())
+        self.norm_reducer(total)
+        if self._model_parallel_sum is not None:
+            self._model_parallel_sum(total)
+        return total.sqrt().reshape(())
+
+    def _norm_device(self) -> torch.device:
+        return self.masters[0].device if self.masters else self.device
+
+    def after_step(self) -> None:
+        """Nothing: the masters are the sharded parameters (FSDP2 gathers them before the next forward)."""
+
+    def zero_grad(self) -> None:
+        for slot, master in zip(self.flat.slots, self.masters):
+            slot.param.grad = None
+            master.grad = None
+
+    # ------------------------------------------------------------------ memory
+    def _gathered(self) -> list[torch.Tensor]:
+        """FSDP2's unsharded parameters alive now (during forward / backward)."""
+        out = []
+        for unit in self.units:
+            state = unit._get_fsdp_state() if hasattr(unit, "_get_fsdp_state") else None
+            group = getattr(state, "_fsdp_param_group", None)
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                tensor = getattr(fsdp_param, "_unsharded_param", None)
+                if tensor is not None:
+                    out.append(tensor)
+        return out
+
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+        """Bytes this rank holds now, from the tensors allocated (each storage once): parameters
+        (the fp32 shards, padding included, and frozen shards), gradients (the gradient shards),
+        master_weights (0: the shards are the masters), optimizer_states, their sum model_states;
+        gathered (unsharded parameters alive now, only inside forward / backward)."""
+        seen: set[int] = set()
+
+        def nbytes(tensors) -> int:
+            total = 0
+            for t in tensors:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen and storage.nbytes():
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+            return total
+
+        params = nbytes([local_shard(s.param) for s in self.flat.slots] + [local_shard(p) for p in self.flat.frozen])
+        masters = nbytes(self.masters)
+        grads = nbytes([local_shard(s.param.grad) for s in self.flat.slots if s.param.grad is not None]
+                       + [m.grad for m in self.masters if m.grad is not None])
+        states = 0
+        if optimizer is not None:
+            states = nbytes(v for m in self.masters for v in optimizer.state.get(m, {}).values() if torch.is_tensor(v))
+        out = {"parameters": params, "gradients": grads, "master_weights": masters, "optimizer_states": states}
+        out["model_states"] = sum(out.values())
+        out["buckets"] = 0
+        out["gathered"] = nbytes(self._gathered())
+        return out
+
+
+def check_stage3_inputs(model: nn.Module, config: Any, optimizer: Any) -> None:
+    """What stage 3 refuses that the config alone does not show, before anything is built."""
+    from tachyon.engine.optim.lamb import Lamb
+    from tachyon.parallel.pipeline import PipelineModule
+
+    from .fsdp import check_unit_classes
+
+    if isinstance(model, PipelineModule):
+        raise ValueError("ZeRO stage 3 with a PipelineModule: stage 3 reduce-scatters gradients inside every "
+                         "micro-batch's backward, which a pipeline schedule interleaves (DeepSpeed refuses it too); "
+                         "use zero_optimization.stage 0 or 1 with pipeline parallelism")
+    if optimizer is not None and hasattr(optimizer, "in_compression_stage"):
+        raise ValueError(f"ZeRO stage 3 with a 1-bit optimizer ({type(optimizer).__name__}): it averages compressed "
+                         "gradients itself, and stage 3 reduce-scatters them inside the backward (DeepSpeed does not "
+                         "combine them either); use stage 0")
+    if isinstance(optimizer, Lamb):
+        raise ValueError("ZeRO stage 3 with Lamb: LAMB's trust ratio needs each whole parameter's norm and stage 3 "
+                         "steps per-parameter shards; use stage 1 or 2 with Lamb")
+    if config.progressive_layer_drop.enabled:
+        raise ValueError("progressive_layer_drop with ZeRO stage 3 is not available yet: use stage 0, 1 or 2")
+    check_unit_classes(model, config.zero_optimization.shard_module_classes)
+
+
+def build_stage3(model: nn.Module, param_groups: list[dict], *, config: Any, model_dtype: torch.dtype,
+                 comm: DataParallelComm, device: torch.device, mesh: Any = None) -> Stage3:
+    """The stage-3 strategy for a `tachyon.config.TachyonConfig` (the engine's entry point)."""
+    from tachyon.engine.precision import DTYPES
+
+    zero = config.zero_optimization
+    comm_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else None
+    return Stage3(model, param_groups, model_dtype=model_dtype, comm=comm, device=device, mesh=mesh,
+                  comm_dtype=comm_dtype, unit_classes=zero.shard_module_classes,
+                  prefetch=zero.stage3_prefetch_bucket_size > 0)
+
+
+__all__ = ["Stage3", "build_stage3", "check_stage3_inputs", "shard_range"]
