@@ -9,12 +9,23 @@ scaling. The tests below only read the results.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tachyon.config import ConfigError, load_config
-from tests.engine.zero3_cases import Z3Case, run_z3_cases
-from tests.engine.zero_cases import as_tensors, make_model, reference_train
+from tests.engine.zero3_cases import CKPT, SAVE_AT, Z3Case, rank_main
+from tests.engine.zero_cases import (
+    LR,
+    WEIGHT_DECAY,
+    as_tensors,
+    batch,
+    loss_fn,
+    make_model,
+    param_groups,
+    reference_train,
+)
 from tests.utils import assert_close, run_distributed, tolerance
 
 EQUIVALENCE = [
@@ -29,11 +40,12 @@ FP32_RTOL, FP32_ATOL = 1e-5, 1e-6
 
 
 @pytest.fixture(scope="module")
-def z3world():
+def z3world(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    results = run_distributed(run_z3_cases, 2, EQUIVALENCE, timeout=300)
-    yield 2, results
+    root = tmp_path_factory.mktemp("zero3")
+    results = run_distributed(rank_main, 2, EQUIVALENCE, str(root), timeout=400)
+    yield 2, results, root
     torch.set_num_threads(threads)
 
 
@@ -44,13 +56,13 @@ def test_stage3_matches_single_process_training(z3world, case):
     bf16 reduced in fp32 within bf16's tolerance element by element; bf16 and fp16 reduced in
     their own dtype within their tolerance relative to each tensor's norm (a sum rounded to bf16
     can cancel to ~0). The global norm is the single-process one on every rank."""
-    world_size, results = z3world
+    world_size, results, _ = z3world
     reference = reference_train(case.as_case(), world_size)
     low = case.precision != "fp32"
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[case.precision]
     rtol, _ = tolerance(dtype)
     for rank, result in enumerate(results):
-        got = result[case.name]
+        got = result["cases"][case.name]
         assert got["stage"] == 3 and got["units"] == (3 if case.units else 1)  # two Linear units + the root
         assert got["global_steps"] == case.steps and got["micro_steps"] == case.steps * case.gas
         for i, (actual, expected) in enumerate(zip(as_tensors(got["params"]), reference["params"])):
@@ -66,6 +78,67 @@ def test_stage3_matches_single_process_training(z3world, case):
                      atol=1e-6, name=f"{case.name}: grad norms on rank {rank}")
     if case.clip:
         assert max(reference["norms"]) > case.clip, "clipping never engaged; the case tests nothing"
+
+
+# ---------------------------------------------------------------------- checkpoints
+@pytest.mark.distributed
+def test_stage3_checkpoints_load_across_stages(z3world):
+    """Saved at stage 3 after 3 steps on 2 ranks and loaded by fresh engines at stage 3 and at
+    stage 2 (and a stage 2 checkpoint loaded at stage 3): the 2 steps after the load end where
+    uninterrupted training does (single-process reference, 1e-5). A frozen parameter comes back."""
+    world_size, results, _ = z3world
+    at_save = reference_train(dataclasses.replace(CKPT, steps=SAVE_AT).as_case(), world_size)["params"]
+    final = reference_train(CKPT.as_case(), world_size)["params"]
+    for rank, result in enumerate(results):
+        got = result["ckpt"]
+        for key, expected in [("at_save", at_save), ("3->3 uninterrupted", final), ("3->3", final), ("3->2", final),
+                              ("2->3", final)]:
+            for i, (actual, want) in enumerate(zip(as_tensors(got[key]), expected)):
+                assert_close(actual, want, rtol=FP32_RTOL, atol=FP32_ATOL, name=f"{key} rank {rank} parameter {i}")
+        assert got["frozen"] == {3: [0.25] * 13, 2: [0.25] * 13}
+
+
+def test_stage3_checkpoint_loads_in_one_process_and_exports(z3world, tmp_path):
+    """The 2-rank stage-3 checkpoint: loaded by a single-process stage 0 engine (training goes on
+    to the reference's step 5, the two ranks' batches as two micro-steps), rebuilt offline by
+    export_model_state_dict, written by `tachyon export` (bf16 safetensors) and by the live
+    engine's save_16bit_model: all equal to the weights at the save."""
+    import tachyon
+    from tachyon.cli import main
+    from tachyon.engine.checkpoint import export_model_state_dict
+
+    world_size, _, root = z3world
+    at_save = reference_train(dataclasses.replace(CKPT, steps=SAVE_AT).as_case(), world_size)["params"]
+    final = reference_train(CKPT.as_case(), world_size)["params"]
+    names = [n for n, _ in make_model().named_parameters()]
+    exported = export_model_state_dict(root / "z3")
+    for name, want in zip(names, at_save):
+        assert_close(exported[name], want, rtol=0, atol=0, name=f"export_model_state_dict {name}")
+    from safetensors.torch import load_file
+
+    written = load_file(str(root / "z3-16bit" / "model.safetensors"))
+    for name, want in zip(names, at_save):
+        assert_close(written[name], want, rtol=0, atol=0, name=f"save_16bit_model {name}")
+    assert main(["export", str(root / "z3"), str(tmp_path / "out"), "--dtype", "bf16"]) == 0
+    bf16 = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for name, want in zip(names, at_save):
+        assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], want.to(torch.bfloat16)), name
+
+    model = make_model()
+    cfg = CKPT.config(1)
+    cfg.update(zero_optimization={"stage": 0}, gradient_accumulation_steps=world_size,
+               train_batch_size=cfg["train_batch_size"] * world_size)
+    engine, _, _, _ = tachyon.initialize(
+        model=model, model_parameters=param_groups(model, CKPT.groups), config=cfg,
+        optimizer=lambda g: torch.optim.AdamW(g, lr=LR, weight_decay=WEIGHT_DECAY))
+    engine.load_checkpoint(root / "z3")
+    for step in range(SAVE_AT, CKPT.steps):
+        for rank in range(world_size):
+            x, y = batch(step, 0, rank, torch.float32)
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+    for i, (actual, want) in enumerate(zip(model.parameters(), final)):
+        assert_close(actual.detach(), want, rtol=FP32_RTOL, atol=FP32_ATOL, name=f"3 -> one process, parameter {i}")
 
 
 # ---------------------------------------------------------------------- refusals
@@ -130,3 +203,21 @@ def test_stage3_refuses_inputs_before_touching_the_model():
     assert not dist.is_initialized()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert type(model) is torch.nn.Sequential
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_stage3_checkpoint_from_4_ranks_resumes_on_2(tmp_path):
+    """Stage 3 saved on 4 ranks, loaded at stage 3 on 2 ranks (each taking two of the saving ranks'
+    batches as micro-steps): step 5 equals the single-process reference within 1e-5."""
+    from tests.engine.zero3_cases import resume_with_fewer_ranks, save_on_ranks
+
+    saved = run_distributed(save_on_ranks, 4, str(tmp_path), timeout=300)
+    at_save = reference_train(dataclasses.replace(CKPT, steps=SAVE_AT).as_case(), 4)["params"]
+    for i, (actual, want) in enumerate(zip(as_tensors(saved[0]), at_save)):
+        assert_close(actual, want, rtol=FP32_RTOL, atol=FP32_ATOL, name=f"4 ranks at the save, parameter {i}")
+    resumed = run_distributed(resume_with_fewer_ranks, 2, str(tmp_path), 4, timeout=300)
+    final = reference_train(CKPT.as_case(), 4)["params"]
+    for rank, params in enumerate(resumed):
+        for i, (actual, want) in enumerate(zip(as_tensors(params), final)):
+            assert_close(actual, want, rtol=FP32_RTOL, atol=FP32_ATOL, name=f"4 -> 2 ranks, rank {rank} parameter {i}")

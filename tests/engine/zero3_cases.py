@@ -108,3 +108,128 @@ def train_z3_on_rank(case: Z3Case) -> dict:
 def run_z3_cases(cases: list[Z3Case]) -> dict[str, dict]:
     torch.manual_seed(0)
     return {case.name: train_z3_on_rank(case) for case in cases}
+
+
+# ---------------------------------------------------------------------- checkpoints
+CKPT = Z3Case(gas=1, groups=True, steps=5)
+"""The checkpoint scenarios train this case: 3 steps, save, 2 more steps (possibly elsewhere)."""
+SAVE_AT = 3
+
+
+def _engine(stage: int, model: torch.nn.Module, world: int):
+    import tachyon
+
+    cfg = CKPT.config(world)
+    cfg["zero_optimization"] = {"stage": stage, **({"shard_module_classes": ["Linear"]} if stage == 3 else {})}
+    engine, _, _, _ = tachyon.initialize(
+        model=model, model_parameters=param_groups(model, CKPT.groups), config=cfg,
+        optimizer=lambda groups: torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY))
+    return engine
+
+
+def _train(engine, steps: range, rank: int) -> None:
+    for step in steps:
+        x, y = batch(step, 0, rank, torch.float32)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+
+
+def checkpoint_scenarios(root: str) -> dict:
+    """On every rank: (a) stage 3 trains 3 steps, saves ``root/z3``, writes save_16bit_model to
+    ``root/z3-16bit``, trains 2 more; (b) a fresh stage 2 engine loads ``root/z3`` and trains the 2
+    steps; (c) stage 2 trains 3 steps and saves ``root/z2``; a fresh stage 3 engine loads it and
+    trains 2; (d) a frozen parameter survives stage 3 -> stage 3 and stage 3 -> stage 2. Returns
+    the full parameters of each continuation."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    model = make_model()
+    engine = _engine(3, model, world)
+    _train(engine, range(SAVE_AT), rank)
+    engine.save_checkpoint(f"{root}/z3", client_state={"at": SAVE_AT})
+    engine.save_16bit_model(f"{root}/z3-16bit")
+    out["at_save"] = [p.tolist() for p in full_parameters(model)]
+    _train(engine, range(SAVE_AT, CKPT.steps), rank)
+    out["3->3 uninterrupted"] = [p.tolist() for p in full_parameters(model)]
+    for stage in (2, 3):
+        model = make_model()
+        engine = _engine(stage, model, world)
+        path, client = engine.load_checkpoint(f"{root}/z3")
+        assert client == {"at": SAVE_AT} and engine.global_steps == SAVE_AT, (client, engine.global_steps)
+        _train(engine, range(SAVE_AT, CKPT.steps), rank)
+        out[f"3->{stage}"] = [p.tolist() for p in full_parameters(model)]
+    model = make_model()
+    engine = _engine(2, model, world)
+    _train(engine, range(SAVE_AT), rank)
+    engine.save_checkpoint(f"{root}/z2")
+    model = make_model()
+    engine = _engine(3, model, world)
+    engine.load_checkpoint(f"{root}/z2")
+    _train(engine, range(SAVE_AT, CKPT.steps), rank)
+    out["2->3"] = [p.tolist() for p in full_parameters(model)]
+    out["frozen"] = frozen_round_trip(root, rank, world)
+    return out
+
+
+def frozen_round_trip(root: str, rank: int, world: int) -> dict:
+    """A frozen parameter (the LayerNorm's bias, set to 0.25) saved at stage 3, loaded at stage 3
+    and at stage 2 into models where it is 0: both get 0.25 back."""
+    def model_with_frozen(value: float) -> torch.nn.Module:
+        model = make_model()
+        with torch.no_grad():
+            model[2].bias.fill_(value)
+        model[2].bias.requires_grad_(False)
+        return model
+
+    engine = _engine(3, model_with_frozen(0.25), world)
+    _train(engine, range(1), rank)
+    engine.save_checkpoint(f"{root}/frozen")
+    got = {}
+    for stage in (3, 2):
+        model = model_with_frozen(0.0)
+        engine = _engine(stage, model, world)
+        engine.load_checkpoint(f"{root}/frozen")
+        bias = model[2].bias
+        got[stage] = (bias.full_tensor() if hasattr(bias, "full_tensor") else bias).tolist()
+    return got
+
+
+def rank_main(cases: list[Z3Case], root: str) -> dict:
+    """Everything the 2-rank stage 3 tests check, in ONE launch (spawning ranks costs seconds)."""
+    return {"cases": run_z3_cases(cases), "ckpt": checkpoint_scenarios(root)}
+
+
+def save_on_ranks(root: str) -> list:
+    """Stage 3 on this launch's ranks: 3 steps of `CKPT`, save ``root/wide``."""
+    import torch.distributed as dist
+
+    model = make_model()
+    engine = _engine(3, model, dist.get_world_size())
+    _train(engine, range(SAVE_AT), dist.get_rank())
+    engine.save_checkpoint(f"{root}/wide")
+    return [p.tolist() for p in full_parameters(model)]
+
+
+def resume_with_fewer_ranks(root: str, saved_world: int) -> list:
+    """Stage 3 on fewer ranks than saved ``root/wide``: load it, train to step 5 on the same global
+    batch (rank r's micro-step m takes the batch saving rank ``r * k + m`` took, k = saved / now)."""
+    import torch.distributed as dist
+
+    import tachyon
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = saved_world // world
+    model = make_model()
+    cfg = CKPT.config(world)
+    cfg.update(gradient_accumulation_steps=per, train_batch_size=MICRO * saved_world)
+    engine, _, _, _ = tachyon.initialize(
+        model=model, model_parameters=param_groups(model, CKPT.groups), config=cfg,
+        optimizer=lambda groups: torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY))
+    engine.load_checkpoint(f"{root}/wide")
+    for step in range(SAVE_AT, CKPT.steps):
+        for micro in range(per):
+            x, y = batch(step, 0, rank * per + micro, torch.float32)
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+    return [p.tolist() for p in full_parameters(model)]

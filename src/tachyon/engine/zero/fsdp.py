@@ -237,13 +237,22 @@ class Stage3Layout:
     numel = num_params
 
 
+def dim0_range(shape: tuple[int, ...], rank: int, world_size: int) -> tuple[int, int]:
+    """[lo, hi) of a tensor of ``shape``, flattened, that ``rank`` holds when FSDP2 shards its dim 0
+    over ``world_size`` ranks (``torch.chunk``'s split: ``ceil(rows / N)`` rows each, the last
+    ranks possibly fewer or none)."""
+    rows = shape[0] if shape else 1
+    row_numel = math.prod(shape[1:]) if shape else 1
+    chunk = -(-rows // world_size)
+    first = min(rank * chunk, rows)
+    last = min(first + chunk, rows)
+    return first * row_numel, last * row_numel
+
+
 def shard_range(slot: Stage3Slot, rank: int, world_size: int) -> tuple[int, int]:
-    """[lo, hi) of the flattened parameter that ``rank`` holds (FSDP2's dim-0 chunks)."""
-    chunk = -(-slot.rows // world_size)
-    first = min(rank * chunk, slot.rows)
-    last = min(first + chunk, slot.rows)
-    return first * slot.row_numel, last * slot.row_numel
+    """[lo, hi) of ``slot``'s flattened parameter that ``rank`` holds (`dim0_range`)."""
+    return dim0_range(tuple(slot.param.shape), rank, world_size)
 
 
 __all__ = ["Stage3Layout", "Stage3Region", "Stage3Slot", "check_unit_classes", "data_parallel_group", "find_units",
-           "local_shard", "shard_model", "shard_range"]
+           "dim0_range", "local_shard", "shard_model", "shard_range"]
