@@ -221,3 +221,25 @@ def test_stage3_checkpoint_from_4_ranks_resumes_on_2(tmp_path):
     for rank, params in enumerate(resumed):
         for i, (actual, want) in enumerate(zip(as_tensors(params), final)):
             assert_close(actual, want, rtol=FP32_RTOL, atol=FP32_ATOL, name=f"4 -> 2 ranks, rank {rank} parameter {i}")
+
+
+def test_tachyon_export_writes_an_hf_folder(tmp_path):
+    """A checkpoint of an HF model keeps its config: `tachyon export` writes a folder that
+    from_pretrained loads with the trained weights (tied embeddings stored once)."""
+    transformers = pytest.importorskip("transformers")
+    import tachyon
+    from tachyon.cli import main
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    engine, _, _, _ = tachyon.initialize(model=model, config={
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    ids = torch.randint(0, 64, (2, 8))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt")
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
+    for (name, want), got in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(got, want), name
