@@ -130,7 +130,7 @@ def test_defaults_match_deepspeed():
         "stage": 0, "contiguous_gradients": True, "reduce_scatter": True,
         "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
         "overlap_comm": False, "round_robin_gradients": False, "stage3_prefetch_bucket_size": 50_000_000,
-        "shard_module_classes": None,
+        "shard_module_classes": None, "offload_optimizer": None, "offload_param": None,
     }  # fmt: skip
     assert config.data_types.grad_accum_dtype is None
     assert config.checkpoint.model_dump() == {
@@ -362,15 +362,14 @@ def test_zero_stage_3_is_accepted():
 
 
 @pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
-def test_offload_is_not_supported_yet(key):
-    section = {"stage": 2, key: {"device": "cpu", "pin_memory": True}}
-    with raises(f"`zero_optimization.{key}: {{"):
-        load_config(cfg(zero_optimization=section))
-    with raises("does not support yet (ZeRO-Offload"):
-        load_config(cfg(zero_optimization=section))
-    # device "none" (as HF templates write) leaves offload off: accepted, reported as ignored
+def test_offload_sections(key):
+    config = load_config(cfg(zero_optimization={"stage": 3, key: {"device": "CPU", "pin_memory": True}}))
+    assert getattr(config.zero_optimization, key).device == "cpu"
+    with raises(f'`zero_optimization.{key}.device: "nvme"`'):
+        load_config(cfg(zero_optimization={"stage": 3, key: {"device": "nvme"}}))
+    # device "none" (as HF templates write) leaves offload off
     config = load_config(cfg(zero_optimization={"stage": 2, key: {"device": "none"}}))
-    assert config.ignored_keys == (f"zero_optimization.{key}",)
+    assert not config.zero_optimization.offloads_optimizer and not config.zero_optimization.offloads_params
 
 
 @pytest.mark.parametrize("key", ["stage3_max_live_parameters", "stage3_gather_16bit_weights_on_model_save",

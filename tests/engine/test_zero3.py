@@ -35,6 +35,13 @@ EQUIVALENCE = [
     Z3Case(precision="bf16", comm="fp32", gas=2, clip=0.5),
     Z3Case(precision="bf16", gas=2, clip=0.5, groups=True),
     Z3Case(precision="fp16", gas=2, clip=0.5),
+    # ZeRO-Offload: masters, optimizer states and the step on the host (stages 1-3), parameters too (stage 3)
+    Z3Case(offload="optimizer", gas=2, clip=0.5, optimizer="config-adam"),
+    Z3Case(offload="optimizer", precision="bf16", comm="fp32", gas=2, clip=0.5),
+    Z3Case(offload="param", gas=2, clip=0.5, groups=True, optimizer="config-adam"),
+    Z3Case(offload="param", precision="bf16", comm="fp32"),
+    Z3Case(stage=1, offload="optimizer", gas=2, clip=0.5, optimizer="config-adam", units=()),
+    Z3Case(stage=2, offload="optimizer", precision="bf16", comm="fp32", gas=2, clip=0.5, groups=True, units=()),
 ]
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-6
 
@@ -63,7 +70,12 @@ def test_stage3_matches_single_process_training(z3world, case):
     rtol, _ = tolerance(dtype)
     for rank, result in enumerate(results):
         got = result["cases"][case.name]
-        assert got["stage"] == 3 and got["units"] == (3 if case.units else 1)  # two Linear units + the root
+        assert got["stage"] == case.stage
+        if case.stage == 3:
+            assert got["units"] == (3 if case.units else 1)  # two Linear units + the root
+        if case.offload:  # everything the optimizer touches is on the host, reported as offloaded
+            assert got["devices"] == ["cpu"] and got["memory"]["offloaded"] > 0
+            assert got["host_step"] is (True if case.optimizer == "config-adam" else None)
         assert got["global_steps"] == case.steps and got["micro_steps"] == case.steps * case.gas
         for i, (actual, expected) in enumerate(zip(as_tensors(got["params"]), reference["params"])):
             name = f"{case.name} rank {rank} parameter {i}"
@@ -243,3 +255,32 @@ def test_tachyon_export_writes_an_hf_folder(tmp_path):
     loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
     for (name, want), got in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(got, want), name
+
+
+def test_offload_is_refused_without_host_memory_and_for_nvme(monkeypatch):
+    """The offloaded states' host bytes are estimated first (16 bytes per trained parameter per
+    shard, times the ranks on the node): too little available memory refuses initialize before
+    anything changes; NVMe offload and offload_param below stage 3 are refused by name."""
+    import torch.distributed as dist
+
+    import tachyon
+    from tachyon.engine.zero import offload
+
+    model = make_model()
+    psi = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(offload, "available_host_bytes", lambda: 16 * psi - 1)
+    cfg = {"train_batch_size": 2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="host memory"):
+        tachyon.initialize(model=model, config=cfg, optimizer=lambda g: torch.optim.AdamW(g))
+    assert not dist.is_initialized() and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    monkeypatch.setattr(offload, "available_host_bytes", lambda: 16 * psi)
+    offload.check_offload_inputs(model, load_config(cfg, 1))  # exactly enough: accepted
+    with pytest.raises(ConfigError, match='offload_optimizer.device: "nvme"'):
+        load_config(_config(offload_optimizer={"device": "nvme"}), 4)
+    with pytest.raises(ConfigError, match='offload_param.device: "nvme"'):
+        load_config(_config(offload_param={"device": "nvme"}), 4)
+    with pytest.raises(ConfigError, match="at stage 3"):
+        load_config({"train_batch_size": 4, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, 4)
+    with pytest.raises(ConfigError, match="stage 1, 2 or 3"):
+        load_config({"train_batch_size": 4, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, 4)

@@ -37,12 +37,16 @@ class Z3Case:
     comm: str | None = None
     """communication_data_type (None: the model dtype)."""
     prefetch: bool = True
+    stage: int = 3
+    offload: str | None = None
+    """"optimizer": offload_optimizer to the CPU; "param": offload_param (and the optimizer) to the CPU."""
 
     @property
     def name(self) -> str:
-        return (f"z3-{self.precision}-gas{self.gas}-clip{self.clip:g}-{'2groups' if self.groups else '1group'}-"
+        return (f"z{self.stage}-{self.precision}-gas{self.gas}-clip{self.clip:g}-{'2groups' if self.groups else '1group'}-"
                 f"{self.optimizer}-{self.steps}steps-units{'+'.join(self.units) or 'root'}"
-                + (f"-comm{self.comm}" if self.comm else "") + ("" if self.prefetch else "-noprefetch"))
+                + (f"-comm{self.comm}" if self.comm else "") + ("" if self.prefetch else "-noprefetch")
+                + (f"-offload-{self.offload}" if self.offload else ""))
 
     def as_case(self) -> Case:
         """The stage 0-2 tests' case with the same training (for `reference_train`)."""
@@ -50,9 +54,15 @@ class Z3Case:
                     optimizer=self.optimizer, steps=self.steps)
 
     def config(self, world_size: int) -> dict:
-        zero: dict = {"stage": 3, "shard_module_classes": list(self.units)}
-        if not self.prefetch:
-            zero["stage3_prefetch_bucket_size"] = 0
+        zero: dict = {"stage": self.stage}
+        if self.stage == 3:
+            zero["shard_module_classes"] = list(self.units)
+            if not self.prefetch:
+                zero["stage3_prefetch_bucket_size"] = 0
+        if self.offload:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if self.offload == "param":
+            zero["offload_param"] = {"device": "cpu"}
         cfg = {
             "train_micro_batch_size_per_gpu": MICRO,
             "gradient_accumulation_steps": self.gas,
@@ -100,9 +110,13 @@ def train_z3_on_rank(case: Z3Case) -> dict:
             engine.backward(loss_fn(engine(x), y))
             engine.step()
         norms.append(engine.get_global_grad_norm())
+    memory = engine.memory_breakdown()
+    optimizer_tensors = [v for m in engine.zero.masters for v in engine.optimizer.state[m].values() if torch.is_tensor(v)]
     return {"params": [p.tolist() for p in full_parameters(model)], "norms": norms,
             "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-            "stage": engine.zero_optimization_stage(), "units": len(engine.zero.units)}
+            "stage": engine.zero_optimization_stage(), "units": len(getattr(engine.zero, "units", ())),
+            "memory": memory, "host_step": getattr(engine.optimizer, "host_step", None),
+            "devices": sorted({str(t.device) for t in [*engine.zero.masters, *optimizer_tensors]})}
 
 
 def run_z3_cases(cases: list[Z3Case]) -> dict[str, dict]:

@@ -208,6 +208,7 @@ def _cross_section_problems(config: TachyonConfig) -> list[str]:
             "across micro-batches (DeepSpeed refuses it too); use zero_optimization.stage 0 or 1 with pipelines"
         )
     problems.extend(stage3_problems(config))
+    problems.extend(offload_problems(config))
     if config.tensor_parallel.sequence_parallel and config.activation_checkpointing.partition_activations:
         problems.append(
             "`activation_checkpointing.partition_activations: true` with `tensor_parallel.sequence_parallel: true`: "
@@ -252,6 +253,33 @@ def stage3_problems(config: TachyonConfig) -> list[str]:
             "`cuda_graph.enabled: true` with `zero_optimization.stage: 3`: FSDP2 gathers and frees each block's "
             "parameters in module hooks that decide on the host and synchronize streams, which a captured graph "
             "cannot replay; use stage 0, 1 or 2 with cuda_graph"
+        )
+    return problems
+
+
+def offload_problems(config: TachyonConfig) -> list[str]:
+    """What ZeRO-Offload (`tachyon.engine.zero.offload`) cannot combine with, by name."""
+    zero, problems = config.zero_optimization, []
+    if zero.offloads_params and zero.stage != 3:
+        problems.append(
+            f'`zero_optimization.offload_param: {{"device": "cpu"}}` with `zero_optimization.stage: {zero.stage}`: '
+            "parameters are offloaded only where they are sharded, at stage 3 (DeepSpeed requires stage 3 too)"
+        )
+    if zero.offloads_optimizer and zero.stage == 0:
+        problems.append(
+            '`zero_optimization.offload_optimizer: {"device": "cpu"}` with `zero_optimization.stage: 0`: ZeRO-Offload '
+            "moves each rank's partition of the optimizer states to the host; use stage 1, 2 or 3"
+        )
+    kind = config.optimizer.type if config.optimizer is not None else None
+    if (zero.offloads_optimizer or zero.offloads_params) and kind in ("OneBitAdam", "OneBitLamb"):
+        problems.append(
+            f'`optimizer.type: "{kind}"` with ZeRO-Offload: the 1-bit optimizers compress and exchange gradients on '
+            "the training device; turn offload off"
+        )
+    if (zero.offloads_optimizer or zero.offloads_params) and config.quantize_training.enabled:
+        problems.append(
+            "`quantize_training.enabled: true` with ZeRO-Offload: MoQ snaps the model's weights from full-precision "
+            "values kept beside the device weights, which offload moves to the host; turn one of them off"
         )
     return problems
 

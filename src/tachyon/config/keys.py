@@ -64,11 +64,12 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients",
     "bf16.bf16_optimizer_states": "bf16 optimizer states",
     # ZeRO
-    "zero_optimization.offload_optimizer": "ZeRO-Offload of optimizer states",
-    "zero_optimization.offload_param": "ZeRO-Offload of parameters",
-    "zero_optimization.cpu_offload": "ZeRO-Offload of optimizer states",
-    "zero_optimization.cpu_offload_param": "ZeRO-Offload of parameters",
-    "zero_optimization.cpu_offload_use_pin_memory": "ZeRO-Offload",
+    "zero_optimization.cpu_offload": "the deprecated spelling of ZeRO-Offload (write offload_optimizer: "
+                                     '{"device": "cpu"})',
+    "zero_optimization.cpu_offload_param": "the deprecated spelling of parameter offload (write offload_param: "
+                                           '{"device": "cpu"})',
+    "zero_optimization.cpu_offload_use_pin_memory": "the deprecated spelling of offload pinning (write "
+                                                    "offload_optimizer.pin_memory)",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
     "zero_optimization.zero_quantized_weights": "ZeRO++ quantized weights",
     "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized weights",
@@ -98,6 +99,7 @@ UNSUPPORTED_KEYS: dict[str, str] = {
 _HINT = "a logging / debugging switch with no effect on training"
 _STAGE3 = "at stage 3 (torch's FSDP2): "
 _ZERO3_ONLY = "a DeepSpeed ZeRO-3 / offload implementation detail with no counterpart in FSDP2 or tachyon's stages 0-2"
+_OFFLOAD_KNOB = "a DeepSpeed NVMe / swap-buffer setting; tachyon offloads to host memory only (device cpu)"
 _NOT_READ = "not read by DeepSpeed either (it ignores unknown keys in this section); found in real configs"
 _ZERO3_REASONS = {
     "param_persistence_threshold": _STAGE3 + "every parameter is sharded; small ones (norms, biases) travel in their "
@@ -146,6 +148,10 @@ ACCEPTED_IGNORED_KEYS: dict[str, str] = {
     "zero_optimization.save_muon_momentum_buffer_in_memory": "the Muon optimizer's setting (tachyon has no Muon)",
     **{f"zero_optimization.stage3_{key}": why for key, why in _ZERO3_REASONS.items()},
     **{f"zero_optimization.{key}": why for key, why in _ZERO3_REASONS.items()},
+    **{f"zero_optimization.offload_optimizer.{key}": _OFFLOAD_KNOB for key in (
+        "buffer_count", "fast_init", "nvme_path", "pipeline", "pipeline_read", "pipeline_write")},
+    **{f"zero_optimization.offload_param.{key}": _OFFLOAD_KNOB for key in (
+        "buffer_count", "buffer_size", "max_in_cpu", "nvme_path")},
     "pipeline.pipe_partitioned": "DeepSpeed's activation partitioning between stages; torch.distributed.pipelining "
                                  "sends whole activations",
     "pipeline.grad_partitioned": "as pipe_partitioned, for gradients",
@@ -159,10 +165,6 @@ def _is(*values: Any) -> Callable[[Any], bool]:
 
 def _disabled(v: Any) -> bool:
     return v is None or v is False or (isinstance(v, dict) and v.get("enabled") is False)
-
-
-def _no_offload(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and str(v.get("device", "")).lower() == "none")
 
 
 _DISABLED = (_disabled, '{"enabled": false}')
@@ -198,8 +200,6 @@ OFF_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tensor_parallel.partition_config": (_is(None), "null"),
     "tensor_parallel.preset_model": (_is(None), "null"),
     "tensor_parallel.keep_module_on_host": (_is(False, None), "false"),
-    "zero_optimization.offload_optimizer": (_no_offload, '{"device": "none"}'),
-    "zero_optimization.offload_param": (_no_offload, '{"device": "none"}'),
     "zero_optimization.zero_hpz_partition_size": (_is(1), "1"),
     "zero_optimization.mics_shard_size": (_is(-1), "-1"),
     "zero_optimization.load_from_fp32_weights": (_is(True), "true"),

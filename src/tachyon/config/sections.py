@@ -71,6 +71,52 @@ def _none_means_false(value: Any) -> Any:
     return False if value is None else value
 
 
+def _offload_device(section: str):
+    def check(value: Any) -> Any:
+        if isinstance(value, str):
+            lowered = value.lower()
+            if lowered == "nvme":
+                raise problem(
+                    f'`zero_optimization.{section}.device: "nvme"` (ZeRO-Infinity\'s NVMe offload) is not supported '
+                    'by tachyon; offload to "cpu" (host memory) or use "none"'
+                )
+            return lowered
+        return value
+
+    return check
+
+
+class OffloadOptimizerConfig(Section):
+    """``"zero_optimization.offload_optimizer"`` (ZeRO-Offload): ``device: "cpu"`` keeps the fp32
+    master weights and optimizer states in host memory and runs the optimizer step there (a
+    fused CPU Adam for Adam / AdamW); gradients are moved to the host as they are reduced.
+    Stages 1, 2 and 3. ``pin_memory``: page-locked host buffers (faster, asynchronous copies; on
+    CUDA only). ``"nvme"`` is refused by name. DeepSpeed's NVMe / pipelining knobs are accepted
+    and ignored (docs/zero.md)."""
+
+    device: Annotated[Literal["none", "cpu"], BeforeValidator(_offload_device("offload_optimizer"))] = "none"
+    pin_memory: bool = False
+    ratio: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Fraction of the optimizer work offloaded (DeepSpeed's partial offload): only 1.0 is supported."""
+
+    @model_validator(mode="after")
+    def _whole(self) -> OffloadOptimizerConfig:
+        if self.ratio != 1.0:
+            raise problem(f"`zero_optimization.offload_optimizer.ratio: {self.ratio}` (partial optimizer offload) is not supported; tachyon offloads "
+                          "the whole optimizer (ratio 1.0)")
+        return self
+
+
+class OffloadParamConfig(Section):
+    """``"zero_optimization.offload_param"`` (stage 3 only): ``device: "cpu"`` keeps the sharded
+    fp32 parameters and their gradients in host memory (FSDP2's CPU offload policy); each
+    block's shards are copied to the device when it is gathered, and the optimizer steps on the
+    host. ``"nvme"`` is refused by name."""
+
+    device: Annotated[Literal["none", "cpu"], BeforeValidator(_offload_device("offload_param"))] = "none"
+    pin_memory: bool = False
+
+
 class ZeroConfig(Section):
     """``"zero_optimization"``: ZeRO stage 0 (plain data parallel), 1 (optimizer states
     partitioned), 2 (optimizer states and gradients partitioned) or 3 (parameters too, on
@@ -95,6 +141,16 @@ class ZeroConfig(Section):
     prefetch_bucket_size: Annotated[int, BeforeValidator(_integral_float), Field(ge=0)] | None = Field(None, exclude=True)
     """DeepSpeed's other spelling of ``stage3_prefetch_bucket_size`` (read as that key)."""
     shard_module_classes: list[str] | None = None
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    offload_param: OffloadParamConfig | None = None
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.offload_optimizer is not None and self.offload_optimizer.device == "cpu"
+
+    @property
+    def offloads_params(self) -> bool:
+        return self.offload_param is not None and self.offload_param.device == "cpu"
 
     @model_validator(mode="before")
     @classmethod

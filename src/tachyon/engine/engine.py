@@ -84,6 +84,7 @@ from .preemption import PreemptionHandler
 from .telemetry import EngineTelemetry
 from .zero import DataParallelComm, ZeroStrategy, build_zero_strategy
 from .zero.model_parallel import ModelParallelSum, duplicate_parameters
+from .zero.offload import check_offload_inputs, mark_host_optimizer, plan_of
 
 CLIP_EPS = 1e-6
 """clip coefficient = max_norm / (norm + CLIP_EPS), as in torch.nn.utils.clip_grad_norm_."""
@@ -166,10 +167,13 @@ class Engine(DeepSpeedEngineSurface, torch.nn.Module):
                 comm_dtype=DTYPES[comm_dtype] if comm_dtype else None,
                 gradient_predivide_factor=config.gradient_predivide_factor,
                 prescale_gradients=config.prescale_gradients,
+                offload=plan_of(config),
             )
         if mesh is not None and (mesh.size("tp") > 1 or mesh.size("pp") > 1):
             self.zero.set_model_parallel(ModelParallelSum(mesh), duplicate_parameters(model, mesh))
         self.optimizer = _bind_optimizer(optimizer, config, self.zero)
+        if self.zero.offload.any:  # ZeRO-Offload: the step runs on the host (tachyon.engine.zero.offload)
+            mark_host_optimizer(self.optimizer)
         precision = self.precision  # not self: the strategy must not keep the engine alive
         tp = None
         if mesh is not None and mesh.size("tp") > 1:
@@ -499,6 +503,7 @@ def check_engine_inputs(model: Any, config: TachyonConfig, optimizer: Any, lr_sc
         from .zero.stage3 import check_stage3_inputs
 
         check_stage3_inputs(model, config, optimizer)
+    check_offload_inputs(model, config)
 
 
 def _world_comm() -> DataParallelComm:

@@ -149,32 +149,41 @@ def _device_mesh(group: Any, device: torch.device):
 
 
 @torch.no_grad()
-def _prepare(model: nn.Module, model_dtype: torch.dtype, device: torch.device) -> None:
-    """Buffers in the model dtype, parameters fp32 (rounded through the model dtype), on ``device``."""
+def _prepare(model: nn.Module, model_dtype: torch.dtype, device: torch.device, shard_dtype: torch.dtype) -> None:
+    """Buffers in the model dtype, parameters in ``shard_dtype`` (fp32: rounded through the model
+    dtype first), on ``device``; parameters on the meta device (`tachyon.zero.Init`) stay there."""
     for module in model.modules():
         for name, buf in list(module._buffers.items()):
-            if buf is not None:
+            if buf is not None and not buf.is_meta:
                 dtype = model_dtype if buf.is_floating_point() else buf.dtype
                 module._buffers[name] = buf.to(device=device, dtype=dtype)
     for param in model.parameters():
+        if param.is_meta:
+            param.data = param.data.to(shard_dtype) if param.is_floating_point() else param.data
+            continue
         value = param.data.to(device=device)
         if model_dtype != torch.float32 and value.is_floating_point():
             value = value.to(model_dtype)
-        param.data = value.to(torch.float32) if value.is_floating_point() else value
+        param.data = value.to(shard_dtype) if value.is_floating_point() else value
 
 
 def shard_model(model: nn.Module, *, group: Any, device: torch.device, model_dtype: torch.dtype,
                 reduce_dtype: torch.dtype | None, extra_classes: list[str] | None = None,
-                prefetch: bool = True, offload_params: bool = False) -> list[nn.Module]:
+                prefetch: bool = True, offload_params: bool = False,
+                shard_dtype: torch.dtype = torch.float32) -> list[nn.Module]:
     """Apply FSDP2 to ``model`` in place (module docstring); returns the sharding units (root last).
-    ``offload_params``: FSDP2's CPU offload policy (sharded parameters and gradients on the host)."""
+    ``offload_params``: FSDP2's CPU offload policy (sharded parameters and gradients on the host).
+    ``shard_dtype``: the sharded parameters' dtype (fp32: they are the masters; the model dtype
+    when the masters are host copies, ZeRO-Offload of the optimizer)."""
     fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy, _ = _fsdp()
-    _prepare(model, model_dtype, torch.device("cpu") if offload_params else device)
+    _prepare(model, model_dtype, torch.device("cpu") if offload_params else device, shard_dtype)
     tp_specs = {name: p._tp_shard for name, p in model.named_parameters() if getattr(p, "_tp_shard", None) is not None}
-    mixed = model_dtype != torch.float32 or (reduce_dtype is not None and reduce_dtype != torch.float32)
+    reduce_dtype = reduce_dtype or model_dtype
+    param_dtype = model_dtype if model_dtype != shard_dtype else None
+    # FSDP2 reads reduce_dtype None as "param_dtype": name it whenever it differs from that
     policy = MixedPrecisionPolicy(
-        param_dtype=model_dtype if model_dtype != torch.float32 else None,
-        reduce_dtype=reduce_dtype if mixed else None,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype if reduce_dtype != (param_dtype or shard_dtype) else None,
     )
     kwargs: dict[str, Any] = {"mesh": _device_mesh(group, device), "mp_policy": policy}
     if offload_params:

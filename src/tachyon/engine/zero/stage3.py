@@ -36,6 +36,7 @@ from .fsdp import (
     shard_model,
     shard_range,
 )
+from .offload import OffloadPlan, host_empty, host_zeros, offloaded_bytes, pinned_bytes
 
 
 class Stage3:
@@ -51,6 +52,10 @@ class Stage3:
         comm_dtype: the dtype gradients are reduce-scattered in (None: the model dtype).
         unit_classes: ``zero_optimization.shard_module_classes``.
         prefetch: whether each unit's forward prefetches the next unit's all-gather.
+        offload: ZeRO-Offload (`tachyon.engine.zero.offload`): ``optimizer`` alone keeps the
+            sharded parameters on the device in the model dtype and fp32 master copies, their
+            states and an fp32 gradient accumulator on the host; ``params`` keeps the fp32 shards
+            themselves (the masters) and their gradients on the host (FSDP2's CPU offload policy).
     """
 
     stage = 3
@@ -60,7 +65,7 @@ class Stage3:
     def __init__(self, model: nn.Module, param_groups: list[dict], *, model_dtype: torch.dtype,
                  comm: DataParallelComm, device: torch.device, mesh: Any = None,
                  comm_dtype: torch.dtype | None = None, unit_classes: list[str] | None = None,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, offload: OffloadPlan | None = None) -> None:
         names = {id(p): n for n, p in model.named_parameters()}
         plan = []
         seen: set[int] = set()
@@ -81,9 +86,13 @@ class Stage3:
         self.comm_dtype = comm_dtype or model_dtype
         self.device = device
         self.module = model
+        self.offload = offload or OffloadPlan()
+        self.host_masters = self.offload.optimizer and not self.offload.params
+        """Masters are host copies (not the shards): ZeRO-Offload of the optimizer alone."""
         self.units = shard_model(model, group=data_parallel_group(comm, mesh), device=device,
                                  model_dtype=model_dtype, reduce_dtype=self.comm_dtype,
-                                 extra_classes=unit_classes, prefetch=prefetch)
+                                 extra_classes=unit_classes, prefetch=prefetch, offload_params=self.offload.params,
+                                 shard_dtype=model_dtype if self.host_masters else torch.float32)
         sharded = dict(model.named_parameters())
         regions, frozen, index = [], [], 0
         for g, (entries, options) in enumerate(plan):
@@ -97,6 +106,8 @@ class Stage3:
             regions.append(Stage3Region(g, slots, options))
         self.flat = Stage3Layout(regions, frozen)
         self.masters = [self._make_master(slot) for slot in self.flat.slots]
+        self._host_grads: list[torch.Tensor | None] = [None] * len(self.masters)
+        """ZeRO-Offload: each parameter's fp32 gradient shard accumulated on the host."""
         self._slot_of = {id(slot.param): slot for slot in self.flat.slots}
         self._model_parallel_sum: Callable[[torch.Tensor], object] | None = None
         self._duplicates: set[int] = set()
@@ -105,11 +116,18 @@ class Stage3:
 
     # ------------------------------------------------------------------ masters
     def _make_master(self, slot: Stage3Slot) -> torch.Tensor:
-        return local_shard(slot.param).view(-1).requires_grad_(True)
+        local = local_shard(slot.param)
+        if self.host_masters:
+            master = host_empty(local.numel(), torch.float32, self.offload)
+            master.copy_(local.reshape(-1))
+            return master.requires_grad_(True)
+        return local.view(-1).requires_grad_(True)
 
     def _check_alias(self, slot: Stage3Slot) -> None:
         """Re-point the master at the parameter's shard if something replaced its storage
         (``load_state_dict(assign=True)``, ``module.to()``): the optimizer state stays keyed by the master."""
+        if self.host_masters:
+            return
         master, local = self.masters[slot.index], local_shard(slot.param)
         if local.numel() and master.data_ptr() != local.data_ptr():
             master.data = local.view(-1)
@@ -139,8 +157,12 @@ class Stage3:
         return out
 
     def norm_reducer(self, tensor: torch.Tensor) -> torch.Tensor:
-        """SUM all-reduce of a fp32 tensor over the data-parallel ranks (the shards' owners)."""
-        self.comm.sum_(tensor)
+        """SUM all-reduce of a fp32 tensor over the data-parallel ranks (the shards' owners); a host
+        tensor travels through the training device."""
+        if tensor.device != self.device:
+            tensor.copy_(self.comm.sum_(tensor.to(self.device)))
+        else:
+            self.comm.sum_(tensor)
         return tensor
 
     def set_model_parallel(self, sum_: Callable[[torch.Tensor], object], duplicates: set[int]) -> None:
@@ -158,8 +180,25 @@ class Stage3:
         """FSDP2's hooks reduce-scatter during every backward (DeepSpeed's stage 3 does too)."""
         del boundary
 
+    @torch.no_grad()
     def end_backward(self) -> None:
-        """Nothing: FSDP2 waits for its reduce-scatters at the end of the backward."""
+        """FSDP2 waited for its reduce-scatters at the end of the backward. With ZeRO-Offload of the
+        optimizer alone, each gradient shard is now added into its fp32 host accumulator and freed
+        on the device."""
+        if not self.host_masters:
+            return
+        for slot in self.flat.slots:
+            grad = slot.param.grad
+            if grad is None:
+                continue
+            local = local_shard(grad).reshape(-1)
+            acc = self._host_grads[slot.index]
+            if acc is None:
+                acc = self._host_grads[slot.index] = host_zeros(local.numel(), torch.float32, self.offload)
+            acc.add_(local.to(acc.device, dtype=torch.float32, non_blocking=self.offload.pin))
+            slot.param.grad = None
+        if self.offload.pin and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
 
     def _reduces(self, boundary: bool) -> bool:
         del boundary
@@ -185,8 +224,11 @@ class Stage3:
         grads = []
         for slot, master in zip(self.flat.slots, self.masters):
             self._check_alias(slot)
-            grad = slot.param.grad
-            master.grad = torch.zeros_like(master) if grad is None else local_shard(grad).reshape(-1)
+            grad = self._host_grads[slot.index] if self.host_masters else slot.param.grad
+            if grad is None:
+                master.grad = torch.zeros_like(master)
+            else:
+                master.grad = grad if self.host_masters else local_shard(grad).reshape(-1)
             grads.append(master.grad)
         return grads
 
@@ -194,23 +236,28 @@ class Stage3:
         """The global L2 norm of the averaged gradient (0-dim fp32), every parameter counted once."""
         squares = [torch.linalg.vector_norm(g, dtype=torch.float32).square()
                    for slot, g in zip(self.flat.slots, grads) if id(slot.param) not in self._duplicates and g.numel()]
-        total = torch.stack(squares).sum().reshape(1) if squares else torch.zeros(1, device=self._norm_device())
-        total = total.to(self._norm_device())
+        total = torch.stack(squares).sum().reshape(1) if squares else torch.zeros(1, device=self.device)
+        total = total.to(self.device)  # host shards (offload): reduced on the training device
         self.norm_reducer(total)
         if self._model_parallel_sum is not None:
             self._model_parallel_sum(total)
         return total.sqrt().reshape(())
 
-    def _norm_device(self) -> torch.device:
-        return self.masters[0].device if self.masters else self.device
-
+    @torch.no_grad()
     def after_step(self) -> None:
-        """Nothing: the masters are the sharded parameters (FSDP2 gathers them before the next forward)."""
+        """Nothing when the masters are the sharded parameters (FSDP2 gathers them before the next
+        forward); host masters (ZeRO-Offload) are copied into the device shards."""
+        if not self.host_masters:
+            return
+        for slot, master in zip(self.flat.slots, self.masters):
+            local = local_shard(slot.param)
+            local.copy_(master.view_as(local), non_blocking=self.offload.pin)
 
     def zero_grad(self) -> None:
         for slot, master in zip(self.flat.slots, self.masters):
             slot.param.grad = None
             master.grad = None
+        self._host_grads = [None] * len(self.masters)
 
     # ------------------------------------------------------------------ memory
     def _gathered(self) -> list[torch.Tensor]:
@@ -244,7 +291,8 @@ class Stage3:
         params = nbytes([local_shard(s.param) for s in self.flat.slots] + [local_shard(p) for p in self.flat.frozen])
         masters = nbytes(self.masters)
         grads = nbytes([local_shard(s.param.grad) for s in self.flat.slots if s.param.grad is not None]
-                       + [m.grad for m in self.masters if m.grad is not None])
+                       + [m.grad for m in self.masters if m.grad is not None]
+                       + [g for g in self._host_grads if g is not None])
         states = 0
         if optimizer is not None:
             states = nbytes(v for m in self.masters for v in optimizer.state.get(m, {}).values() if torch.is_tensor(v))
@@ -252,6 +300,14 @@ class Stage3:
         out["model_states"] = sum(out.values())
         out["buckets"] = 0
         out["gathered"] = nbytes(self._gathered())
+        if self.offload.any:  # bytes per placement: the offloaded states, and how many of them are pinned
+            host = [*self.masters, *self._host_grads, *(m.grad for m in self.masters)]
+            if self.offload.params:
+                host += [local_shard(s.param) for s in self.flat.slots]
+            if optimizer is not None:
+                host += [v for m in self.masters for v in optimizer.state.get(m, {}).values() if torch.is_tensor(v)]
+            out["offloaded"] = offloaded_bytes(host)
+            out["pinned"] = pinned_bytes(host)
         return out
 
 
@@ -285,9 +341,11 @@ def build_stage3(model: nn.Module, param_groups: list[dict], *, config: Any, mod
 
     zero = config.zero_optimization
     comm_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else None
+    from .offload import plan_of
+
     return Stage3(model, param_groups, model_dtype=model_dtype, comm=comm, device=device, mesh=mesh,
                   comm_dtype=comm_dtype, unit_classes=zero.shard_module_classes,
-                  prefetch=zero.stage3_prefetch_bucket_size > 0)
+                  prefetch=zero.stage3_prefetch_bucket_size > 0, offload=plan_of(config))
 
 
 __all__ = ["Stage3", "build_stage3", "check_stage3_inputs", "shard_range"]
