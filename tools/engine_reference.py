@@ -181,6 +181,7 @@ def config_block() -> str:
         out += _extra_keys(path, fields)
         for sub, submodel in nested:
             _rows(submodel, sub, out, [])
+            out += _extra_keys(sub, {info.alias or name for name, info in submodel.model_fields.items()})
     for title, table in (("optimizer", OPTIMIZER_PARAMS), ("scheduler", SCHEDULER_PARAMS)):
         out += ["", f"### `{title}`: `type` and `params`", "",
                 "| type | params (default) |", "| --- | --- |"]
