@@ -10,6 +10,7 @@ scaling. The tests below only read the results.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -153,6 +154,31 @@ def test_stage3_checkpoint_loads_in_one_process_and_exports(z3world, tmp_path):
         assert_close(actual.detach(), want, rtol=FP32_RTOL, atol=FP32_ATOL, name=f"3 -> one process, parameter {i}")
 
 
+# ---------------------------------------------------------------------- tachyon.zero.Init
+@pytest.mark.distributed
+def test_models_built_under_zero_init_train_like_plain_ones(z3world):
+    """Built under tachyon.zero.Init (every parameter a meta tensor until initialize allocates this
+    rank's shard), with the root sharded at the end of the block or each Linear as it is attached
+    (values then written inside GatheredParameters(modifier_rank=0)): 5 stage-3 steps equal the
+    single-process reference. GatheredParameters on the live engine's parameter: whole inside,
+    rank 0's change kept on every rank, the sharded parameter back in place after."""
+    world_size, results, _ = z3world
+    final = reference_train(Z3Case().as_case(), world_size)["params"]
+    for rank, result in enumerate(results):
+        got = result["init"]
+        for key in ("units0", "units1"):
+            assert got[key]["meta"], f"{key}: the model built under Init should hold no parameter storage"
+            for i, (actual, want) in enumerate(zip(as_tensors(got[key]["params"]), final)):
+                assert_close(actual, want, rtol=FP32_RTOL, atol=FP32_ATOL, name=f"Init {key} rank {rank} parameter {i}")
+        assert got["gathered"] == {"shape": (13, 6), "after": [1.0], "same_object": True}
+        # refused before anything changes: shards kept for 4 ranks, or a stage below 3
+        assert "built under tachyon.zero.Init as rank 0 of 4" in got["refused"][3][0] and got["refused"][3][1]
+        assert "needs zero_optimization.stage 3" in got["refused"][2][0] and got["refused"][2][1]
+        # Linear(5, 3) on 2 ranks: rank 0 keeps rows 0-1 (10 values), rank 1 row 2 (5)
+        assert got["patching"] == {"unit_meta": True, "kept": ((10,) if rank == 0 else (5,)), "other_meta": False,
+                                   "restored": True}
+
+
 # ---------------------------------------------------------------------- refusals
 def _config(**zero) -> dict:
     return {"train_batch_size": 4, "zero_optimization": {"stage": 3, **zero}}
@@ -284,3 +310,26 @@ def test_offload_is_refused_without_host_memory_and_for_nvme(monkeypatch):
         load_config({"train_batch_size": 4, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, 4)
     with pytest.raises(ConfigError, match="stage 1, 2 or 3"):
         load_config({"train_batch_size": 4, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_model_larger_than_a_rank_trains_under_zero_init_on_4_ranks():
+    """Each rank's private memory is capped (RLIMIT_DATA) at its size after start-up plus 80% of
+    the model's fp32 bytes (100 MB): building the model whole fails on every rank, building it
+    under tachyon.zero.Init (each Linear sharded as its constructor returns, before the list of
+    layers is complete) and training it at stage 3 on 4 ranks works (finite losses). Slow: 4
+    ranks on 2 cores with a 100 MB model (about a minute)."""
+    from tests.engine.zero3_cases import (
+        CAPPED_LAYERS,
+        CAPPED_WIDTH,
+        train_under_memory_cap,
+    )
+
+    full = CAPPED_LAYERS * (CAPPED_WIDTH + 1) * CAPPED_WIDTH * 4
+    results = run_distributed(train_under_memory_cap, 4, int(0.8 * full), timeout=600)
+    for rank, got in enumerate(results):
+        assert got["full_bytes"] > got["budget"], "the cap must be below the model's fp32 size"
+        assert got["plain_error"] is not None, f"rank {rank}: building the whole model fit under the cap"
+        assert all(math.isfinite(v) for v in got["losses"]), got["losses"]
+        assert got["memory"]["parameters"] < full / 3, got["memory"]  # a quarter of the model, plus padding

@@ -211,7 +211,7 @@ def frozen_round_trip(root: str, rank: int, world: int) -> dict:
 
 def rank_main(cases: list[Z3Case], root: str) -> dict:
     """Everything the 2-rank stage 3 tests check, in ONE launch (spawning ranks costs seconds)."""
-    return {"cases": run_z3_cases(cases), "ckpt": checkpoint_scenarios(root)}
+    return {"cases": run_z3_cases(cases), "ckpt": checkpoint_scenarios(root), "init": init_scenarios()}
 
 
 def save_on_ranks(root: str) -> list:
@@ -247,3 +247,168 @@ def resume_with_fewer_ranks(root: str, saved_world: int) -> list:
             engine.backward(loss_fn(engine(x), y))
             engine.step()
     return [p.tolist() for p in full_parameters(model)]
+
+
+# ---------------------------------------------------------------------- tachyon.zero.Init
+def build_under_init(units: tuple[str, ...]) -> torch.nn.Module:
+    """`make_model`'s model and values, built under tachyon.zero.Init. With ``units`` (the
+    Linear layers), each Linear is sharded as soon as it is attached, so the values are written
+    inside GatheredParameters(modifier_rank=0), as DeepSpeed's zero.Init asks; without, the root
+    is sharded when the block ends, after they were written."""
+    import tachyon
+
+    reference = make_model()
+    with tachyon.zero.Init(unit_classes=list(units)):
+        model = torch.nn.Sequential(*[type(m)(*_args(m)) for m in reference])
+        with tachyon.zero.GatheredParameters(list(model.parameters()), modifier_rank=0, enabled=bool(units)):
+            with torch.no_grad():
+                for p, value in zip(model.parameters(), reference.parameters()):
+                    p.copy_(value)
+    return model
+
+
+def _args(module: torch.nn.Module) -> tuple:
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, torch.nn.LayerNorm):
+        return module.normalized_shape
+    return ()
+
+
+def init_scenarios() -> dict:
+    """Stage 3 training of models built under tachyon.zero.Init (with and without units), and a
+    GatheredParameters edit of a live engine's parameter kept from rank 0."""
+    import torch.distributed as dist
+
+    import tachyon
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    constructor = torch.nn.Linear.__init__
+    with tachyon.zero.Init(unit_classes=["Linear"]):
+        alone = torch.nn.Linear(5, 3)  # a unit: sharded when its constructor returns, attached or not
+        norm = torch.nn.LayerNorm(3)  # not a unit, not attached: left whole
+    out["patching"] = {"unit_meta": alone.weight.is_meta, "kept": tuple(tachyon.zero.local_values(alone.weight).shape),
+                       "other_meta": norm.weight.is_meta, "restored": torch.nn.Linear.__init__ is constructor}
+    refused = {}
+    for stage, kept_for in ((3, (0, 4)), (2, (rank, world))):  # shards for 4 ranks; stage 2
+        odd = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        tachyon.zero.shard_parameters(odd, *kept_for)
+        try:
+            tachyon.initialize(model=odd, config={**Z3Case().config(world), "zero_optimization": {"stage": stage}},
+                               optimizer=lambda groups: torch.optim.SGD(groups, lr=LR))
+        except ValueError as error:
+            refused[stage] = (str(error), tachyon.zero.built_sharded(odd[0].weight))
+    out["refused"] = refused
+    for units in ((), ("Linear",)):
+        case = Z3Case(units=units)
+        model = build_under_init(units)
+        meta = all(p.is_meta for p in model.parameters())
+        engine, _, _, _ = tachyon.initialize(
+            model=model, config=case.config(world),
+            optimizer=lambda groups: torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY))
+        _train(engine, range(case.steps), rank)
+        out[f"units{len(units)}"] = {"meta": meta, "params": [p.tolist() for p in full_parameters(model)]}
+    weight = model[0].weight
+    with tachyon.zero.GatheredParameters(weight, modifier_rank=0):
+        whole = model[0].weight
+        shape = tuple(whole.shape)
+        whole.data.fill_(float(rank + 1))  # rank 0 writes 1, rank 1 writes 2: rank 0's is kept
+    out["gathered"] = {"shape": shape, "after": model[0].weight.full_tensor().unique().tolist(),
+                       "same_object": model[0].weight is weight}
+    return out
+
+
+# ---------------------------------------------------------------------- memory cap
+CAPPED_LAYERS, CAPPED_WIDTH = 24, 1024
+
+
+def _vm_data() -> int:
+    """This process's private writable memory (VmData: what RLIMIT_DATA limits), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmData in /proc/self/status")
+
+
+def _train_steps(engine, width: int, steps: int) -> list[float]:
+    import torch.distributed as dist
+
+    losses = []
+    for step in range(steps):
+        x = torch.randn(2, width, generator=torch.Generator().manual_seed(step * 10 + dist.get_rank()))
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _capped_config(world: int) -> dict:
+    return {"train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": 3, "shard_module_classes": ["Linear"]},
+            "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}}
+
+
+def train_under_memory_cap(budget: int) -> dict:
+    """Cap this process's private writable memory (the soft RLIMIT_DATA, which counts what
+    VmData shows: heap, anonymous mappings and thread stacks, not address space merely reserved)
+    at its current size + ``budget`` bytes, then: building the whole model plainly fails (its
+    fp32 size is above the budget), building it under tachyon.zero.Init and training 2 stage-3
+    SGD steps works. Returns the model's fp32 bytes, the losses, the plain build's error and the
+    engine's memory breakdown.
+
+    Set up first, so that the cap measures the model: one malloc arena with a fixed mmap
+    threshold (freed large blocks go back to the system at once), and a tiny stage-3 run under
+    Init on a Mesh made first (whose data-parallel group both engines use), so the lazy imports,
+    gloo's groups and threads and FSDP2's state exist before the cap. The cap is
+    lifted on return (the hard limit is left as it was)."""
+    import ctypes
+    import gc
+    import resource
+
+    import torch.distributed as dist
+
+    import tachyon
+    from tachyon.parallel import Mesh
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-8, 1)  # M_ARENA_MAX
+    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: fixed at 1 MiB
+    world = dist.get_world_size()
+
+    def build(layers: int, width: int) -> torch.nn.Module:
+        linears = [torch.nn.Linear(width, width) for _ in range(layers)]
+        return torch.nn.Sequential(*[m for layer in linears for m in (layer, torch.nn.Tanh())])
+
+    mesh = Mesh()  # its data-parallel group's buffers and threads are made here, before the cap
+    torch.manual_seed(0)
+    with tachyon.zero.Init(unit_classes=["Linear"]):
+        warm = build(2, 16)
+    engine, _, _, _ = tachyon.initialize(model=warm, config=_capped_config(world), mpu=mesh.mpu)
+    _train_steps(engine, 16, 1)
+    del engine, warm
+    gc.collect()
+
+    full_bytes = CAPPED_LAYERS * (CAPPED_WIDTH + 1) * CAPPED_WIDTH * 4
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = _vm_data() + budget
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    try:
+        plain_error = None
+        try:
+            build(CAPPED_LAYERS, CAPPED_WIDTH)
+        except (RuntimeError, MemoryError) as error:
+            plain_error = str(error).splitlines()[0][:200]
+        gc.collect()
+        torch.manual_seed(0)
+        with tachyon.zero.Init(unit_classes=["Linear"]):
+            model = build(CAPPED_LAYERS, CAPPED_WIDTH)
+        engine, _, _, _ = tachyon.initialize(model=model, config=_capped_config(world), mpu=mesh.mpu)
+        losses = _train_steps(engine, CAPPED_WIDTH, 2)
+        memory = engine.memory_breakdown()
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    return {"full_bytes": full_bytes, "budget": budget, "plain_error": plain_error, "losses": losses,
+            "memory": memory}

@@ -504,6 +504,9 @@ def check_engine_inputs(model: Any, config: TachyonConfig, optimizer: Any, lr_sc
 
         check_stage3_inputs(model, config, optimizer)
     check_offload_inputs(model, config)
+    from .zero.stage3 import check_built_sharded
+
+    check_built_sharded(model, config)
 
 
 def _world_comm() -> DataParallelComm:

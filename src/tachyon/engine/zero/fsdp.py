@@ -99,16 +99,17 @@ def _shared_outside(model: nn.Module, module: nn.Module) -> bool:
 
 def find_units(model: nn.Module, extra_classes: list[str] | None = None) -> list[nn.Module]:
     """The modules stage 3 shards as one unit each, children before parents (module docstring).
-    A module nested in a unit is not a unit itself unless it is one of the known classes too."""
+    A candidate whose parameter another module outside it also uses (a tied weight, or one given
+    to `tachyon.zero.register_external_parameter`) is not a unit: its parameters go to the root."""
     known = _known_unit_classes()
     names = _hf_unit_names(model) | set(extra_classes or ())
     units = []
     for module in model.modules():
         if module is model:
             continue
-        if isinstance(module, known) or type(module).__name__ in names:
-            units.append(module)
-        elif isinstance(module, nn.Embedding) and not _shared_outside(model, module):
+        candidate = isinstance(module, (*known, nn.Embedding)) or type(module).__name__ in names
+        external = any(getattr(p, "_tachyon_external", False) for p in module.parameters())
+        if candidate and not external and not _shared_outside(model, module):
             units.append(module)
     order = {id(m): i for i, m in enumerate(model.modules())}
     depth = {id(m): name.count(".") for name, m in model.named_modules()}
@@ -176,6 +177,7 @@ def shard_model(model: nn.Module, *, group: Any, device: torch.device, model_dty
     ``shard_dtype``: the sharded parameters' dtype (fp32: they are the masters; the model dtype
     when the masters are host copies, ZeRO-Offload of the optimizer)."""
     fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy, _ = _fsdp()
+    built = _built_shards(model, group)
     _prepare(model, model_dtype, torch.device("cpu") if offload_params else device, shard_dtype)
     tp_specs = {name: p._tp_shard for name, p in model.named_parameters() if getattr(p, "_tp_shard", None) is not None}
     reduce_dtype = reduce_dtype or model_dtype
@@ -192,6 +194,8 @@ def shard_model(model: nn.Module, *, group: Any, device: torch.device, model_dty
     for unit in units:
         fully_shard(unit, reshard_after_forward=True, **kwargs)
     fully_shard(model, **kwargs)
+    if built:
+        _materialize(model, built, torch.device("cpu") if offload_params else device, model_dtype)
     if prefetch and len(units) > 1:  # each unit's forward also starts the next one's all-gather
         ordered = [u for u in model.modules() if any(u is v for v in units)]
         for unit, following in zip(ordered, ordered[1:]):
@@ -200,6 +204,53 @@ def shard_model(model: nn.Module, *, group: Any, device: torch.device, model_dty
         if name in tp_specs:
             p._tp_shard = tp_specs[name]
     return [*units, model]
+
+
+def _built_shards(model: nn.Module, group: Any) -> dict[str, torch.Tensor]:
+    """name -> the meta parameter holding the shard `tachyon.zero.Init` kept, for a model built
+    under it ({} otherwise). Refused before anything changes: parameters on the meta device with
+    no kept shard, and shards kept for another rank or number of ranks than ``group``'s."""
+    from tachyon.zero import built_sharded, sharded_for
+
+    import torch.distributed as dist
+
+    here = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+    built, bare = {}, []
+    for name, param in model.named_parameters():
+        if built_sharded(param):
+            if sharded_for(param) != here:
+                raise ValueError(f"{name} was built under tachyon.zero.Init as rank {sharded_for(param)[0]} of "
+                                 f"{sharded_for(param)[1]} and stage 3 trains it as rank {here[0]} of {here[1]}: build "
+                                 "the model under Init with the data-parallel group the engine trains over")
+            built[name] = param
+        elif param.is_meta:
+            bare.append(name)
+    if bare:
+        raise ValueError(f"parameters {bare[:5]} are on the meta device with no values; build the model under "
+                         "tachyon.zero.Init (which keeps each rank's shard) or on a real device")
+    return built
+
+
+@torch.no_grad()
+def _materialize(model: nn.Module, built: dict[str, torch.Tensor], device: torch.device, model_dtype: torch.dtype) -> None:
+    """Allocate this rank's shards of a model built under `tachyon.zero.Init` and copy the kept
+    values in (rounded through the model dtype, as `_prepare` does); buffers keep their values.
+    Each kept shard is released once copied."""
+    from tachyon.zero import release_local
+
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    for name, b in model.named_buffers():
+        b.copy_(buffers[name])
+    for name, param in model.named_parameters():
+        local = local_shard(param)
+        values = release_local(built.pop(name))
+        if values.numel() != local.numel():  # the same dim-0 split as FSDP2's: cannot differ
+            raise RuntimeError(f"{name}: tachyon.zero.Init kept {values.numel()} elements for this rank and FSDP2 "
+                               f"gives it {local.numel()}")
+        if model_dtype != torch.float32 and values.is_floating_point():
+            values = values.to(model_dtype)
+        local.copy_(values.view(local.shape))
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:

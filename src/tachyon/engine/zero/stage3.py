@@ -39,6 +39,19 @@ from .fsdp import (
 from .offload import OffloadPlan, host_empty, host_zeros, offloaded_bytes, pinned_bytes
 
 
+_STAGE3: dict[int, weakref.ref] = {}
+"""id(sharded parameter) -> the stage-3 strategy holding it (trained or frozen)."""
+
+
+def stage3_of(param: torch.Tensor) -> Stage3 | None:
+    """The live stage-3 strategy whose model holds ``param`` (a sharded parameter), or None."""
+    ref = _STAGE3.get(id(param))
+    strategy = ref() if ref is not None else None
+    if strategy is None or not any(p is param for p in strategy.module.parameters()):
+        return None
+    return strategy
+
+
 class Stage3:
     """ZeRO stage 3 over FSDP2 (module docstring).
 
@@ -113,6 +126,8 @@ class Stage3:
         self._duplicates: set[int] = set()
         for slot in self.flat.slots:
             _OWNER[id(slot.param)] = weakref.ref(self)
+        for param in model.parameters():
+            _STAGE3[id(param)] = weakref.ref(self)
 
     # ------------------------------------------------------------------ masters
     def _make_master(self, slot: Stage3Slot) -> torch.Tensor:
@@ -259,6 +274,38 @@ class Stage3:
             master.grad = None
         self._host_grads = [None] * len(self.masters)
 
+    # ------------------------------------------------------------------ whole parameters
+    def _owners(self, param: torch.Tensor) -> list[tuple[nn.Module, str]]:
+        return [(m, n) for m in self.module.modules() for n, p in m._parameters.items() if p is param]
+
+    def gather_full(self, param: nn.Parameter) -> nn.Parameter:
+        """``param`` whole (fp32), registered in its place on its modules until `scatter_full`
+        (`tachyon.zero.GatheredParameters`). Collective over the data-parallel ranks."""
+        whole = nn.Parameter(param.full_tensor().detach().float().clone(), requires_grad=param.requires_grad)
+        for module, name in self._owners(param):
+            module._parameters[name] = whole
+        return whole
+
+    @torch.no_grad()
+    def scatter_full(self, param: nn.Parameter, whole: nn.Parameter, modifier_rank: int | None) -> None:
+        """Put ``param`` back on its modules; with ``modifier_rank``, that rank's ``whole`` values
+        are broadcast and every rank keeps its shard of them (and of its fp32 master)."""
+        from .fsdp import dim0_range
+
+        for module, name in self._owners(whole):
+            module._parameters[name] = param
+        if modifier_rank is None:
+            return
+        values = whole.detach().to(self.device).contiguous()
+        if self.comm.enabled:
+            torch.distributed.broadcast(values, src=modifier_rank, group=self.comm.group)
+        lo, hi = dim0_range(tuple(param.shape), self.rank, self.world_size)
+        local = local_shard(param)
+        local.copy_(values.reshape(-1)[lo:hi].view(local.shape))
+        slot = self._slot_of.get(id(param))
+        if slot is not None and self.host_masters:
+            self.masters[slot.index].copy_(values.reshape(-1)[lo:hi])
+
     # ------------------------------------------------------------------ memory
     def _gathered(self) -> list[torch.Tensor]:
         """FSDP2's unsharded parameters alive now (during forward / backward)."""
@@ -311,6 +358,15 @@ class Stage3:
         return out
 
 
+def check_built_sharded(model: nn.Module, config: Any) -> None:
+    """A model built under `tachyon.zero.Init` holds only this rank's shards: stage 3 alone can train it."""
+    from tachyon.zero import built_sharded
+
+    if config.zero_stage != 3 and any(built_sharded(p) for p in model.parameters()):
+        raise ValueError(f"the model was built under tachyon.zero.Init (each rank holds only its shard of every "
+                         f"parameter), which needs zero_optimization.stage 3; the config says stage {config.zero_stage}")
+
+
 def check_stage3_inputs(model: nn.Module, config: Any, optimizer: Any) -> None:
     """What stage 3 refuses that the config alone does not show, before anything is built."""
     from tachyon.engine.optim.lamb import Lamb
@@ -348,4 +404,4 @@ def build_stage3(model: nn.Module, param_groups: list[dict], *, config: Any, mod
                   prefetch=zero.stage3_prefetch_bucket_size > 0, offload=plan_of(config))
 
 
-__all__ = ["Stage3", "build_stage3", "check_stage3_inputs", "shard_range"]
+__all__ = ["Stage3", "build_stage3", "check_stage3_inputs", "shard_range", "stage3_of"]
