@@ -38,6 +38,9 @@ are broadcast and every rank keeps its shard of them (the fp32 master too); with
 changes are dropped. Parameters that are whole anyway (stages 0-2) are left alone: nothing to
 gather. Collective over the ranks that hold the shards.
 
+`register_forward_method(module, name)`: a method other than ``forward`` that runs the model
+(``logits``, ``generate``) gathers the module's sharded parameters as ``forward`` does.
+
 `register_external_parameter(module, param)`: ``param`` (registered in another module) is used
 in ``module``'s forward; stage 3 then keeps ``param``'s unit out of the sharding units, so the
 parameter stays gathered with the root's from the forward to the backward.
@@ -304,6 +307,18 @@ class GatheredParameters(contextlib.ContextDecorator):
         return False
 
 
+def register_forward_method(module: nn.Module, name: str) -> None:
+    """Make ``module.<name>`` (a method other than ``forward`` that runs the model, as a
+    ``logits`` or ``generate`` method) gather and free ``module``'s own sharded parameters the way
+    its ``forward`` does at stage 3 (FSDP2's ``register_fsdp_forward_method``). Nothing to do for a
+    module that stage 3 did not shard; a missing method raises ValueError."""
+    if not callable(getattr(module, name, None)):
+        raise ValueError(f"{type(module).__name__} has no method {name!r} to register")
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    register_fsdp_forward_method(module, name)
+
+
 def register_external_parameter(module: nn.Module, parameter: torch.Tensor) -> None:
     """``parameter`` is used in ``module``'s forward although another module registers it: stage 3
     keeps the unit holding it out of the sharding units (module docstring)."""
@@ -312,4 +327,4 @@ def register_external_parameter(module: nn.Module, parameter: torch.Tensor) -> N
 
 
 __all__ = ["GatheredParameters", "Init", "built_sharded", "local_values", "register_external_parameter",
-           "release_local", "shard_parameters", "sharded_for"]
+           "register_forward_method", "release_local", "shard_parameters", "sharded_for"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tachyon.config import ConfigError, load_config
-from tests.engine.zero3_cases import CKPT, SAVE_AT, Z3Case, rank_main
+from tests.engine.zero3_cases import ACCOUNT_SHAPES, CKPT, SAVE_AT, Z3Case, rank_main
 from tests.engine.zero_cases import (
     LR,
     WEIGHT_DECAY,
@@ -177,6 +177,41 @@ def test_models_built_under_zero_init_train_like_plain_ones(z3world):
         # Linear(5, 3) on 2 ranks: rank 0 keeps rows 0-1 (10 values), rank 1 row 2 (5)
         assert got["patching"] == {"unit_meta": True, "kept": ((10,) if rank == 0 else (5,)), "other_meta": False,
                                    "restored": True}
+
+
+# ---------------------------------------------------------------------- bytes per rank and on the wire
+@pytest.mark.distributed
+def test_stage3_holds_16_psi_over_n_and_moves_3_psi_per_step(z3world):
+    """Linear(8, 16) + Linear(16, 8) (Psi = 280, each Linear a unit, the root holding none), bf16
+    with fp32 masters and AdamW, 2 ranks, after a step's backward: the model states are the ZeRO
+    paper's 16 Psi / N to the byte (fp32 parameter shards = the masters 4, fp32 gradient shards
+    4, Adam's moments 8) plus the declared extras (Adam's 4-byte step per parameter); every live
+    tensor storage of the process is that plus the batch. On the wire per step (ring volumes):
+    the forward and backward all-gathers and the reduce-scatter each move (N-1)/N Psi bf16
+    values: 3 Psi, 1.5x data parallel's all-reduce (2 Psi), where stages 1 and 2 move 2 Psi;
+    besides, only the global norm's and the overflow check's fp32 scalars."""
+    world_size, results, _ = z3world
+    psi, n, bf16 = sum(math.prod(s) for s in ACCOUNT_SHAPES), world_size, 2
+    step_counters = 4 * len(ACCOUNT_SHAPES)
+    for rank, result in enumerate(results):
+        got = result["accounting"]
+        memory = got[3]["memory"]
+        assert memory["parameters"] == 4 * psi // n and memory["gradients"] == 4 * psi // n, memory
+        assert memory["master_weights"] == 0 and memory["gathered"] == 0, memory
+        assert memory["optimizer_states"] == 8 * psi // n + step_counters, memory
+        assert memory["model_states"] == 16 * psi // n + step_counters, memory
+        assert memory["model_states"] <= got[3]["live"] <= memory["model_states"] + 64, got[3]["live"]
+        sent = {stage: sum(s for kind, dtype, _, s in got[stage]["calls"] if dtype == "bfloat16") for stage in got}
+        scalars = [c for stage in got for c in got[stage]["calls"] if c[1] != "bfloat16"]
+        assert all(kind == "all_reduce" and payload <= 8 for kind, _, payload, _ in scalars), scalars
+        ring = (n - 1) / n * psi * bf16  # one collective over Psi bf16 values, per rank
+        assert sent[3] == 3 * ring, got[3]["calls"]
+        kinds = sorted(kind for kind, dtype, _, _ in got[3]["calls"] if dtype == "bfloat16")
+        assert kinds == ["all_gather"] * 4 + ["reduce_scatter"] * 2  # 2 units x (forward, backward) + 2
+        # data parallel all-reduces its flat gradient, padded to a multiple of N * 8 elements
+        padded = -(-psi // (8 * n)) * 8 * n
+        assert sent[0] == 2 * (n - 1) / n * padded * bf16 and sent[3] / (2 * ring) == 1.5
+        assert sent[1] == sent[2] == sent[0], sent
 
 
 # ---------------------------------------------------------------------- refusals

@@ -211,7 +211,8 @@ def frozen_round_trip(root: str, rank: int, world: int) -> dict:
 
 def rank_main(cases: list[Z3Case], root: str) -> dict:
     """Everything the 2-rank stage 3 tests check, in ONE launch (spawning ranks costs seconds)."""
-    return {"cases": run_z3_cases(cases), "ckpt": checkpoint_scenarios(root), "init": init_scenarios()}
+    return {"cases": run_z3_cases(cases), "ckpt": checkpoint_scenarios(root), "init": init_scenarios(),
+            "accounting": accounting_scenarios()}
 
 
 def save_on_ranks(root: str) -> list:
@@ -412,3 +413,43 @@ def train_under_memory_cap(budget: int) -> dict:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
     return {"full_bytes": full_bytes, "budget": budget, "plain_error": plain_error, "losses": losses,
             "memory": memory}
+
+
+# ---------------------------------------------------------------------- bytes per rank, bytes on the wire
+ACCOUNT_SHAPES = ((16, 8), (16,), (8, 16), (8,))
+"""The accounting model's parameters: Linear(8, 16), Linear(16, 8); every dim 0 divides by 2 and 4."""
+
+
+def accounting_scenarios() -> dict:
+    """For stage 0 (data parallel), 1, 2 and 3, bf16 with AdamW from the config: one more step
+    after a first one, with every torch.distributed call counted (`CommCounter`), the memory
+    breakdown and the live tensor bytes after its backward."""
+    import torch.distributed as dist
+
+    import tachyon
+    from tachyon.engine.zero import live_tensor_bytes
+    from tachyon.parallel import CommCounter
+
+    world = dist.get_world_size()
+    out = {}
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        base = live_tensor_bytes()
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+        cfg = {"train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+               "communication_data_type": "bf16",
+               "zero_optimization": {"stage": stage, **({"shard_module_classes": ["Linear"]} if stage == 3 else {})},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+        engine, _, _, _ = tachyon.initialize(model=model, config=cfg)
+        x = torch.randn(2, 8, dtype=torch.bfloat16)
+        engine.backward(engine(x).float().square().mean())
+        engine.step()
+        with CommCounter() as comm:
+            engine.backward(engine(x).float().square().mean())
+            memory = engine.memory_breakdown()
+            live = live_tensor_bytes(collect=False) - base
+            engine.step()
+        out[stage] = {"memory": memory, "live": live,
+                      "calls": [(c.kind, c.dtype, c.payload, c.sent) for c in comm.calls]}
+        engine.destroy()
+    return out

@@ -137,6 +137,9 @@ def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
     every rank calls it; tensor-parallel shards are all-gathered over tp and the pipeline stages
     gathered to rank 0 (the data-parallel copies are equal: the first one's is used)."""
     if engine.zero.stage == 3:
+        from .state import settle_sharded
+
+        settle_sharded(engine)
         return _stage3_state_dict(engine)
     mesh = engine.mesh
     if mesh is None:

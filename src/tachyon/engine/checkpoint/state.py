@@ -90,6 +90,14 @@ def dtensor_piece(tensor: Any) -> tuple[Piece, torch.Tensor]:
     return Piece(mesh.get_local_rank(), lo, hi, 0), local
 
 
+def settle_sharded(engine) -> None:
+    """At ZeRO stage 3, the module's parameters back to their shards (`Stage3.reshard`) before
+    they are named, saved, loaded or gathered."""
+    reshard = getattr(engine.zero, "reshard", None)
+    if reshard is not None:
+        reshard()
+
+
 def param_names(engine) -> list[str]:
     """The module's name of every trained parameter, in the flat layout's slot order."""
     names = {id(p): n for n, p in engine.module.named_parameters()}

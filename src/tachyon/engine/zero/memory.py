@@ -91,9 +91,10 @@ def live_tensor_storages(device_type: str | None = None, *, collect: bool = True
                 continue
             try:
                 storage = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
-                continue
-            if storage.nbytes() and storage.data_ptr():
-                key = (t.device.type, storage.data_ptr())
+                address = storage.data_ptr() if storage.nbytes() else 0
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage, or a
+                continue  # storage freed under its Python object (FSDP2's gathered parameters)
+            if address:
+                key = (t.device.type, address)
                 sizes[key] = max(sizes.get(key, 0), storage.nbytes())
     return sizes

@@ -306,6 +306,14 @@ class Stage3:
         if slot is not None and self.host_masters:
             self.masters[slot.index].copy_(values.reshape(-1)[lo:hi])
 
+    def reshard(self) -> None:
+        """Free every parameter FSDP2 still holds gathered, so the module's parameters are the
+        sharded ones again: a forward with no backward (evaluation under no_grad, a method
+        registered with `tachyon.zero.register_forward_method`) leaves the root's gathered.
+        Local (no collective)."""
+        for unit in self.units:
+            unit.reshard()
+
     # ------------------------------------------------------------------ memory
     def _gathered(self) -> list[torch.Tensor]:
         """FSDP2's unsharded parameters alive now (during forward / backward)."""
