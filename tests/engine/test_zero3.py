@@ -201,6 +201,8 @@ def test_stage3_holds_16_psi_over_n_and_moves_3_psi_per_step(z3world):
         assert memory["optimizer_states"] == 8 * psi // n + step_counters, memory
         assert memory["model_states"] == 16 * psi // n + step_counters, memory
         assert memory["model_states"] <= got[3]["live"] <= memory["model_states"] + 64, got[3]["live"]
+        offloaded = got["3-offload"]["memory"]  # parameters, gradients and optimizer all on the host
+        assert offloaded["offloaded"] == offloaded["model_states"] == memory["model_states"], offloaded
         sent = {stage: sum(s for kind, dtype, _, s in got[stage]["calls"] if dtype == "bfloat16") for stage in got}
         scalars = [c for stage in got for c in got[stage]["calls"] if c[1] != "bfloat16"]
         assert all(kind == "all_reduce" and payload <= 8 for kind, _, payload, _ in scalars), scalars
@@ -211,7 +213,7 @@ def test_stage3_holds_16_psi_over_n_and_moves_3_psi_per_step(z3world):
         # data parallel all-reduces its flat gradient, padded to a multiple of N * 8 elements
         padded = -(-psi // (8 * n)) * 8 * n
         assert sent[0] == 2 * (n - 1) / n * padded * bf16 and sent[3] / (2 * ring) == 1.5
-        assert sent[1] == sent[2] == sent[0], sent
+        assert sent[1] == sent[2] == sent[0] and sent["3-offload"] == sent[3], sent
 
 
 # ---------------------------------------------------------------------- refusals

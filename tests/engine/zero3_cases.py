@@ -421,7 +421,8 @@ ACCOUNT_SHAPES = ((16, 8), (16,), (8, 16), (8,))
 
 
 def accounting_scenarios() -> dict:
-    """For stage 0 (data parallel), 1, 2 and 3, bf16 with AdamW from the config: one more step
+    """For stage 0 (data parallel), 1, 2 and 3 (and 3 with the parameters and optimizer
+    offloaded), bf16 with AdamW from the config: one more step
     after a first one, with every torch.distributed call counted (`CommCounter`), the memory
     breakdown and the live tensor bytes after its backward."""
     import torch.distributed as dist
@@ -432,13 +433,15 @@ def accounting_scenarios() -> dict:
 
     world = dist.get_world_size()
     out = {}
-    for stage in (0, 1, 2, 3):
+    for stage in (0, 1, 2, 3, "3-offload"):
         torch.manual_seed(0)
         base = live_tensor_bytes()
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+        zero = {"stage": 3, "shard_module_classes": ["Linear"]} if stage in (3, "3-offload") else {"stage": stage}
+        if stage == "3-offload":
+            zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
         cfg = {"train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
-               "communication_data_type": "bf16",
-               "zero_optimization": {"stage": stage, **({"shard_module_classes": ["Linear"]} if stage == 3 else {})},
+               "communication_data_type": "bf16", "zero_optimization": zero,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
         engine, _, _, _ = tachyon.initialize(model=model, config=cfg)
         x = torch.randn(2, 8, dtype=torch.bfloat16)

@@ -357,8 +357,9 @@ class Stage3:
         out["gathered"] = nbytes(self._gathered())
         if self.offload.any:  # bytes per placement: the offloaded states, and how many of them are pinned
             host = [*self.masters, *self._host_grads, *(m.grad for m in self.masters)]
-            if self.offload.params:
+            if self.offload.params:  # FSDP2's CPU offload: the parameter and gradient shards too
                 host += [local_shard(s.param) for s in self.flat.slots]
+                host += [local_shard(s.param.grad) for s in self.flat.slots if s.param.grad is not None]
             if optimizer is not None:
                 host += [v for m in self.masters for v in optimizer.state.get(m, {}).values() if torch.is_tensor(v)]
             out["offloaded"] = offloaded_bytes(host)
