@@ -4,7 +4,9 @@ tachyon has two implementations of every kernel: a Triton kernel for GPUs and a 
 reference that runs anywhere and serves as the test oracle. The choice is explicit, never read
 from an environment variable at import time:
 
-- ``"auto"`` (default): Triton when the tensor is on CUDA and Triton imports, else the reference.
+- ``"auto"`` (default): Triton when the tensor is on CUDA and Triton imports, else the reference;
+  for ops with a torch twin of the same contract (the norms, attention without dropout), on CUDA
+  the Triton kernel only where a committed measurement shows it faster (``tachyon.kernels.dispatch``).
 - ``"triton"``: always Triton (on CPU tensors this needs Triton's interpreter, TRITON_INTERPRET=1).
 - ``"torch"``: always the PyTorch reference.
 
@@ -90,6 +92,12 @@ def triton_import_error() -> str | None:
 def triton_interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
     return _TRITON_INTERPRETING
+
+
+def auto_on_cuda(tensor: torch.Tensor, backend: str | None = None) -> bool:
+    """True where the choice is "auto" and the tensor is on CUDA: an op with a torch twin then
+    consults the measured table (``tachyon.kernels.dispatch``) before running its Triton kernel."""
+    return (get_backend() if backend is None else backend) == "auto" and tensor.is_cuda
 
 
 def resolve(tensor: torch.Tensor, backend: str | None = None) -> str:

@@ -44,6 +44,15 @@ def _info(args: argparse.Namespace) -> int:
     except Exception as exc:  # any import failure is reported, not raised
         lines.append(f"triton not importable: {exc}")
     lines.append(f"backend {get_backend()}")
+    import torch
+
+    from tachyon.kernels import dispatch
+
+    arch = None
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"sm_{major}{minor}"
+    lines.extend(dispatch.describe(arch))
     lines.append("capabilities:")
     for name, cap in tachyon.capabilities().items():
         lines.append(f"  {name:<7} {'yes' if cap.available else 'no ':<4} {cap.detail}")

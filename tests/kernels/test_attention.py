@@ -491,8 +491,8 @@ def test_triton_matches_oracle_on_gpu(case, dtype):
 def test_triton_backward_is_deterministic_on_gpu():
     case = Case(batch=2, heads=16, kv_heads=4, seq_q=512, seq_k=512, head_dim=64, causal=True, dropout_p=0.1)
     q, k, v, bias, dout = _inputs(case, torch.bfloat16, "cuda")
-    first = _run(lambda a, b, c: attention(a, b, c, **_kwargs(case, bias)), q, k, v, dout)
-    again = _run(lambda a, b, c: attention(a, b, c, **_kwargs(case, bias)), q, k, v, dout)
+    first = _run(lambda a, b, c: attention(a, b, c, backend="triton", **_kwargs(case, bias)), q, k, v, dout)
+    again = _run(lambda a, b, c: attention(a, b, c, backend="triton", **_kwargs(case, bias)), q, k, v, dout)
     for name, a, b in zip(["out", "dq", "dk", "dv"], first, again):
         assert torch.equal(a, b), f"{name} differs between two identical runs"
 
@@ -504,7 +504,7 @@ def test_triton_atomic_dq_backward_matches_oracle_on_gpu(case, dtype):
     """deterministic=False on the GPU (real atomics, unordered): the same 2x-of-PyTorch bounds."""
     q, k, v, bias, dout = _inputs(case, dtype, "cuda")
     kw = _kwargs(case, bias)
-    got = _run(lambda a, b, c: attention(a, b, c, deterministic=False, **kw), q, k, v, dout)
+    got = _run(lambda a, b, c: attention(a, b, c, deterministic=False, backend="triton", **kw), q, k, v, dout)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     oracle = _run(lambda a, b, c: attention_reference(a, b, c, **kw), *leaves, dout.double())
     lowp = _run(lambda a, b, c: reference.attention_lowp_reference(a, b, c, **kw), q, k, v, dout)

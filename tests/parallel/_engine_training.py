@@ -38,7 +38,8 @@ def config(*, gas: int = 2, stage: int = 0, tp: int | None = None, stages: int |
 
 
 # ---------------------------------------------------------------------- single process
-def reference_run(precision: str = "fp32", steps: int = T.STEPS, gas: int = 2, scale_power: int = 8) -> dict:
+def reference_run(precision: str = "fp32", steps: int = T.STEPS, gas: int = 2, scale_power: int = 8,
+                  stage: int = 0) -> dict:
     """GPT trained in one process: through a plain torch loop for fp32 (the oracle: state and
     the gradient norm of every step), through tachyon.initialize on one process otherwise
     (what the parallel run in that precision is compared with, with its ``gas`` micro-batches)."""
@@ -56,7 +57,8 @@ def reference_run(precision: str = "fp32", steps: int = T.STEPS, gas: int = 2, s
     import tachyon
 
     model = T.build_gpt()
-    engine, *_ = tachyon.initialize(model=model, config=config(precision=precision, gas=gas, scale_power=scale_power),
+    engine, *_ = tachyon.initialize(model=model, config=config(precision=precision, gas=gas, scale_power=scale_power,
+                                                               stage=stage),
                                     dist_init_required=False)
     for step in range(steps):
         _gpt_step(engine, step, dp=1, dp_rank=0, gas=gas)

@@ -22,7 +22,8 @@ import math
 import torch
 from torch import Tensor
 
-from tachyon.backend import resolve
+from tachyon.backend import auto_on_cuda, resolve
+from tachyon.kernels import dispatch
 from tachyon.kernels.attention import reference
 from tachyon.kernels.common import check_dtype, check_same_device
 from tachyon.kernels.random import check_seed, join_seed, split_seed
@@ -216,11 +217,21 @@ def attention(
     packed gradient. Saved for backward:
     q, k, v, out, the fp32 logsumexp [batch, heads, seq_q], the fp32 bias and a tensor seed; the probabilities
     are recomputed and the dropout mask regenerated in backward. Backend: "triton" (CUDA, or the
-    CPU interpreter), "torch" (the memory-efficient PyTorch path), or None for tachyon's choice.
+    CPU interpreter), "torch" (the memory-efficient PyTorch path), or None for tachyon's choice:
+    on CUDA without dropout and padding, torch's scaled_dot_product_attention where a committed
+    measurement found it faster than the Triton kernel (``tachyon.kernels.dispatch``; it saves
+    what SDPA saves), else the Triton kernel.
     """
     _check_inputs(q, k, v, key_padding_bias, dropout_p, seed, softmax_scale, deterministic)
     chosen = resolve(q, backend)
     head_dim = q.shape[-1]
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    # the torch twin (SDPA) where measured faster: only without dropout (tachyon's seeded mask) and
+    # padding, and without causal rows that see no key (tachyon returns zeros there, SDPA need not)
+    if chosen == "triton" and float(dropout_p) == 0.0 and key_padding_bias is None and not (causal and seq_q > seq_k) \
+            and auto_on_cuda(q, backend) and dispatch.choose(
+                "attention", q, dispatch.attention_class(causal, seq_q, seq_k, head_dim)) == dispatch.TWIN:
+        return reference.sdpa_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
     if chosen == "triton" and head_dim > MAX_TRITON_HEAD_DIM:
         raise ValueError(
             f"{OP}: the Triton kernel supports head_dim up to {MAX_TRITON_HEAD_DIM}; got {head_dim} (use backend='torch')"

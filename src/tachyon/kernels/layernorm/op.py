@@ -14,9 +14,11 @@ residual) and the fp32 row statistics, or with ``invertible=True`` the output y 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from tachyon.backend import resolve
+from tachyon.backend import auto_on_cuda, resolve
+from tachyon.kernels import dispatch
 from tachyon.kernels.common import SUPPORTED_DTYPES, check_dtype, check_same_device, check_shape
 from tachyon.kernels.layernorm import reference
 from tachyon.kernels.registry import fused_op
@@ -131,6 +133,22 @@ class _NormWithInputBranch(torch.autograd.Function):
         return dx, dw, (db if ctx.has_bias else None), None, None, None, None
 
 
+def _twin_applies(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None) -> bool:
+    """torch's norms take one dtype for input and parameters (tachyon's kernels also take fp32
+    parameters with half inputs: those stay on Triton)."""
+    return weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+
+
+def _torch_twin(x, weight, bias, residual, eps, is_rms, return_residual):
+    """The norm through torch's own op (the measured choice of ``backend="auto"`` on CUDA where it
+    was faster; see tachyon.kernels.dispatch): the residual added first, statistics in fp32 inside
+    torch's kernel, autograd's backward. ``invertible`` has no effect here (torch saves the input)."""
+    z = x if residual is None else x + residual
+    shape = (x.shape[-1],)
+    y = F.rms_norm(z, shape, weight, eps) if is_rms else F.layer_norm(z, shape, weight, bias, eps)
+    return (y, z) if return_residual else y
+
+
 def _fused_norm(
     op: str, x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, eps: float,
     is_rms: bool, return_residual: bool, invertible: bool, backend: str | None,
@@ -152,6 +170,9 @@ def _fused_norm(
     if not eps >= 0:
         raise ValueError(f"{op}: eps must be >= 0; got {eps}")
     chosen = resolve(x, backend)
+    if chosen == "triton" and auto_on_cuda(x, backend) and _twin_applies(x, weight, bias, residual) \
+            and dispatch.choose(op, x, dispatch.norm_class(n)) == dispatch.TWIN:
+        return _torch_twin(x, weight, bias, residual, eps, is_rms, return_residual)
     if chosen == "triton" and n > MAX_TRITON_N:
         raise ValueError(f"{op}: the Triton kernel handles rows of up to {MAX_TRITON_N} elements; got {n} (use backend='torch')")
     shape = x.shape
