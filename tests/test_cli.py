@@ -78,13 +78,28 @@ def _plan_json(capsys, *argv):
     return code, json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("stage, gb", [(0, 120.0), (1, 31.4), (2, 16.6)])
+@pytest.mark.parametrize("stage, gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_plan_json_reproduces_the_zero_paper_table(capsys, stage, gb):
     code, plan = _plan_json(capsys, "--params", "7.5B", "--gpus", "64", "--zero", str(stage), "--dtype", "fp16",
                             "--micro-batch", "1", "--global-batch", "256")  # 4 micro-batches per step
     assert plan["layout"]["grad_accum"] == 4
     assert round(plan["memory"]["per_gpu"]["model_states"] / 1e9, 1) == gb
     assert code == (1 if stage == 0 else 0) and plan["memory"]["fits"] == (stage > 0)  # 120 GB > one 80 GB GPU
+
+
+def test_plan_zero_3_with_offload_keeps_only_the_16_bit_shard_per_gpu(capsys):
+    """7.5B parameters, 64 GPUs, fp16, Adam: the device keeps its fp16 shard (2 Psi / N), the host
+    the masters, the fp32 gradient accumulator and Adam's moments (16 Psi / N)."""
+    code, plan = _plan_json(capsys, "--params", "7.5B", "--gpus", "64", "--zero", "3", "--offload", "--dtype", "fp16",
+                            "--micro-batch", "1", "--global-batch", "64")
+    assert code == 0 and plan["layout"]["zero"] == 3 and plan["layout"]["offload"] is True
+    from tachyon.plan.estimate import padded
+
+    per_gpu, psi = plan["memory"]["per_gpu"], padded(7_500_000_000, 64)  # a multiple of 64 * 8 elements
+    assert per_gpu["offloaded"] == 16 * psi / 64 + 4  # + Adam's float32 step
+    assert per_gpu["total"] == 2 * psi / 64
+    assert main(["plan", "--params", "7.5B", "--gpus", "64", "--zero", "0", "--offload"]) == 2
+    assert "needs ZeRO stage 1, 2 or 3" in capsys.readouterr().err
 
 
 def test_plan_one_layout_table(capsys):

@@ -40,8 +40,18 @@ MAPPED = {
                                    "accumulation in the model dtype (DeepSpeed's ZeRO optimizer does the same); "
                                    "without ZeRO: refused (as DeepSpeed)",
     "tensor_parallel.autotp_size": "DeepSpeed's AutoTP size: mapped onto tachyon's tensor parallelism (`tp_size`)",
+    "zero_optimization.stage3_prefetch_bucket_size": "at stage 3: non-zero makes each sharded block's forward prefetch "
+                                                     "the next block's all-gather (FSDP2), 0 turns it off; the size "
+                                                     "itself is not used (FSDP2 gathers whole blocks)",
+    "zero_optimization.prefetch_bucket_size": "DeepSpeed's other spelling of stage3_prefetch_bucket_size: read as it",
 }
-STATUS = {"zero_optimization.stage": "implemented: 0, 1 and 2; 3 refused (ZeRO stage 3)"}
+STATUS = {
+    "zero_optimization.stage": "implemented: 0, 1, 2 and 3 (stage 3 on torch's FSDP2: docs/zero.md)",
+    "zero_optimization.shard_module_classes": "implemented (tachyon's): more module classes stage 3 shards as units",
+    **{f"zero_optimization.{key}": "implemented at stages 1 and 2; at stage 3 accepted, reported as ignored (FSDP2 "
+       "works per block)" for key in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+                                      "contiguous_gradients", "reduce_scatter", "round_robin_gradients")},
+}
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -171,6 +181,7 @@ def config_block() -> str:
         out += _extra_keys(path, fields)
         for sub, submodel in nested:
             _rows(submodel, sub, out, [])
+            out += _extra_keys(sub, {info.alias or name for name, info in submodel.model_fields.items()})
     for title, table in (("optimizer", OPTIMIZER_PARAMS), ("scheduler", SCHEDULER_PARAMS)):
         out += ["", f"### `{title}`: `type` and `params`", "",
                 "| type | params (default) |", "| --- | --- |"]

@@ -27,7 +27,8 @@ _LAZY = {
     "make_graphed_callables": "tachyon.cuda_graphs",
 }
 # public module name -> the module itself
-_LAZY_MODULES = {"checkpointing": "tachyon.engine.activation_checkpointing", "profiling": "tachyon.profiling"}
+_LAZY_MODULES = {"checkpointing": "tachyon.engine.activation_checkpointing", "profiling": "tachyon.profiling",
+                 "zero": "tachyon.zero"}
 
 __all__ = ["__version__", "capabilities", "get_backend", "set_backend", "use_backend", *_LAZY, *_LAZY_MODULES]
 

@@ -6,6 +6,7 @@
     tachyon demo            a small fused-kernel run that prints what it checked
     tachyon launch ...      run a script on several processes through torchrun (--dry-run prints it)
     tachyon plan ...        memory, communication and step time of a training layout; ranked layouts
+    tachyon export CKPT OUT consolidated weights of any checkpoint (safetensors / HF folder), on the CPU
 
 Subcommands register themselves in ``SUBCOMMANDS`` (name -> (help, add_arguments, run)), so later
 pieces (train, launch, bench) add one entry each.
@@ -77,6 +78,29 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=50, help="training steps of the small demo model")
 
 
+def _export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a checkpoint root (its `latest` is used unless --tag) or a checkpoint directory")
+    parser.add_argument("out", help="the folder to write (created)")
+    parser.add_argument("--tag", default=None, help="the checkpoint tag under CHECKPOINT (default: its `latest`)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="dtype of the written weights (default fp32: the master weights as saved)")
+    parser.add_argument("--filename", default="model.safetensors",
+                        help="weights file name (.safetensors, else torch.save; default model.safetensors)")
+
+
+def _export(args: argparse.Namespace) -> int:
+    """DeepSpeed's zero_to_fp32: one consolidated weights file (and config.json for an HF model)."""
+    from tachyon.engine.checkpoint import CheckpointError, export_checkpoint
+
+    try:
+        path = export_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, save_filename=args.filename)
+    except (CheckpointError, OSError, ValueError) as error:
+        print(f"tachyon export: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
+    return 0
+
+
 from tachyon.parallel import launch as _launch  # noqa: E402  (standard library only at import)
 from tachyon.plan import cli as _plan  # noqa: E402
 from tachyon.train import cli as _train  # noqa: E402
@@ -87,6 +111,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "train": (_train.HELP, _train.add_arguments, _train.run),
     "demo": ("train a small model built from tachyon's fused norms and check it", _demo_arguments, _demo),
     "plan": (_plan.HELP, _plan.add_arguments, _plan.run),
+    "export": ("write the consolidated weights of a checkpoint (any ZeRO stage or layout) as safetensors, with "
+               "config.json for an HF model (DeepSpeed's zero_to_fp32), on the CPU", _export_arguments, _export),
 }
 
 

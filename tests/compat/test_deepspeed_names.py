@@ -161,9 +161,13 @@ def test_zero_helpers_behave_as_deepspeed_below_stage_3():
         model.weight.data.fill_(1.0)
     assert (model.weight == 1).all(), "parameters are whole below ZeRO-3; changes stay"
     deepspeed.zero.register_external_parameter(model, model.weight)
-    with pytest.raises(NotImplementedError, match="ZeRO stage 3 is not implemented"):
-        deepspeed.zero.Init()
-    with pytest.raises(NotImplementedError, match="ZeRO stage 3"):
+    assert issubclass(deepspeed.zero.Init, tachyon.zero.Init)
+    assert deepspeed.zero.GatheredParameters is tachyon.zero.GatheredParameters
+    with pytest.raises(RuntimeError, match="torch.distributed"):  # shards need the ranks
+        deepspeed.zero.Init().__enter__()
+    with pytest.raises(ValueError, match="nvme"):
+        deepspeed.zero.Init(remote_device="nvme")
+    with pytest.raises(NotImplementedError, match="ZeRO-3 internal"):
         deepspeed.zero.TiledLinear(3, 3)
 
 

@@ -129,7 +129,8 @@ def test_defaults_match_deepspeed():
     assert config.zero_optimization.model_dump() == {
         "stage": 0, "contiguous_gradients": True, "reduce_scatter": True,
         "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
-        "overlap_comm": False, "round_robin_gradients": False,
+        "overlap_comm": False, "round_robin_gradients": False, "stage3_prefetch_bucket_size": 50_000_000,
+        "shard_module_classes": None, "offload_optimizer": None, "offload_param": None,
     }  # fmt: skip
     assert config.data_types.grad_accum_dtype is None
     assert config.checkpoint.model_dump() == {
@@ -243,7 +244,7 @@ def test_all_problems_reported_at_once():
     [
         (cfg(zero_optimization={"stage": "2"}),
          '`zero_optimization.stage` should be a valid integer; got "2" (str)'),
-        (cfg(zero_optimization={"stage": 5}), "`zero_optimization.stage` should be 0, 1 or 2; got 5"),
+        (cfg(zero_optimization={"stage": 5}), "`zero_optimization.stage` should be 0, 1, 2 or 3; got 5"),
         (cfg(zero_optimization={"stage": True}), "`zero_optimization.stage` should be a valid integer"),
         (cfg(zero_optimization={"reduce_bucket_size": 5.5e8 + 0.5}),
          "`zero_optimization.reduce_bucket_size` should be a valid integer"),
@@ -356,21 +357,19 @@ def test_cpu_checkpointing_needs_partition_activations():
 # ---------------------------------------------------------------- unsupported features
 
 
-def test_zero_stage_3_is_not_supported_yet():
-    with raises("ZeRO stage 3 is not supported yet (`zero_optimization.stage: 3`)"):
-        load_config(cfg(zero_optimization={"stage": 3}))
+def test_zero_stage_3_is_accepted():
+    assert load_config(cfg(zero_optimization={"stage": 3})).zero_stage == 3
 
 
 @pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
-def test_offload_is_not_supported_yet(key):
-    section = {"stage": 2, key: {"device": "cpu", "pin_memory": True}}
-    with raises(f"`zero_optimization.{key}: {{"):
-        load_config(cfg(zero_optimization=section))
-    with raises("does not support yet (ZeRO-Offload"):
-        load_config(cfg(zero_optimization=section))
-    # device "none" (as HF templates write) leaves offload off: accepted, reported as ignored
+def test_offload_sections(key):
+    config = load_config(cfg(zero_optimization={"stage": 3, key: {"device": "CPU", "pin_memory": True}}))
+    assert getattr(config.zero_optimization, key).device == "cpu"
+    with raises(f'`zero_optimization.{key}.device: "nvme"`'):
+        load_config(cfg(zero_optimization={"stage": 3, key: {"device": "nvme"}}))
+    # device "none" (as HF templates write) leaves offload off
     config = load_config(cfg(zero_optimization={"stage": 2, key: {"device": "none"}}))
-    assert config.ignored_keys == (f"zero_optimization.{key}",)
+    assert not config.zero_optimization.offloads_optimizer and not config.zero_optimization.offloads_params
 
 
 @pytest.mark.parametrize("key", ["stage3_max_live_parameters", "stage3_gather_16bit_weights_on_model_save",

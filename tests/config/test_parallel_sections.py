@@ -67,8 +67,8 @@ def test_initialize_passes_the_data_parallel_size_itself():
     ({"pipeline": {"partition": "type:["}}, '`pipeline.partition`: "type:[" is not a valid regex'),
     ({"pipeline": {"partition": "layers"}}, '`pipeline.partition` should be "parameters" (DeepSpeed\'s "best"), "uniform"'),
     ({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 2}},
-     "`zero_optimization.stage: 2` with `pipeline.stages: 2`: ZeRO stage 2 partitions gradients during every "
-     "micro-batch's backward"),
+     "`zero_optimization.stage: 2` with `pipeline.stages: 2`: ZeRO stages 2 and 3 partition gradients during "
+     "every micro-batch's backward"),
     ({"tensor_parallel": {"tp_size": 2, "sequence_parallel": True},
       "activation_checkpointing": {"partition_activations": True}},
      "`activation_checkpointing.partition_activations: true` with `tensor_parallel.sequence_parallel: true`"),

@@ -189,13 +189,13 @@ def _bad(config_update=None, **kwargs):
         ({"zero_optimisation": {"stage": 1}}, "did you mean 'zero_optimization'"),
         ({"train_batch_size": "8"}, "`train_batch_size`"),
         ({"train_batch_size": 6, "gradient_accumulation_steps": 2}, "inconsistent batch sizes"),
-        ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage"),
+        ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage"),
         ({"optimizer": {"type": "Adamm"}}, "`optimizer.type`"),
         ({"scheduler": {"type": "WarmUpLRR"}}, "`scheduler.type`"),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "`fp16.enabled` and `bf16.enabled`"),
         ({"gradient_clipping": -1.0}, "gradient_clipping"),
     ],
-    ids=["unknown-key", "wrong-type", "batch-sizes", "stage3", "optimizer", "scheduler", "fp16+bf16", "negative-clip"],
+    ids=["unknown-key", "wrong-type", "batch-sizes", "stage4", "optimizer", "scheduler", "fp16+bf16", "negative-clip"],
 )
 def test_bad_config_fails_before_any_state_is_created(update, expected):
     assert expected in _bad(update)
@@ -207,7 +207,7 @@ def test_bad_config_in_a_launched_job_creates_no_process_group(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29599")
     try:
-        assert "zero_optimization.stage" in _bad({"zero_optimization": {"stage": 3}})
+        assert "zero_optimization.stage" in _bad({"zero_optimization": {"stage": 4}})
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -186,8 +186,15 @@ def test_model_state_formulas(n):
     assert bf16_fp32_accum[1] == bf16_fp32_accum[2] == pytest.approx(2 * psi + 16 * psi / n)
     fp32 = model_state_bytes(psi, n, 1, param_bytes=4, grad_accum_bytes=4, fp32_master=False)
     assert fp32["model_states"] == pytest.approx(4 * psi + 12 * psi / n)
+    assert model_state_bytes(psi, n, 3)["model_states"] == pytest.approx(16 * psi / n)  # fp32 shards are the masters
+    # ZeRO-Offload: masters, fp32 gradient accumulator and Adam's moments on the host
+    for stage, device in ((1, 2 * psi), (2, 2 * psi), (3, 2 * psi / n)):
+        out = model_state_bytes(psi, n, stage, offload=True)
+        assert out["offloaded"] == pytest.approx(16 * psi / n) and out["model_states"] - out["offloaded"] == device
     with pytest.raises(ValueError, match="stage"):
-        model_state_bytes(psi, n, 3)
+        model_state_bytes(psi, n, 4)
+    with pytest.raises(ValueError, match="offload needs ZeRO stage 1, 2 or 3"):
+        model_state_bytes(psi, n, 0, offload=True)
 
 
 def test_live_tensor_bytes_counts_each_storage_once_and_leaf_grads():

@@ -116,7 +116,9 @@ def test_impossible_layouts_are_refused_naming_the_problem():
         (Layout(pp=16), 16, "pp = 16 pipeline stages but the model has 12 layers"),
         (Layout(pp=2, dp=2, zero=2), 4, "ZeRO stage 2 does not combine with pipeline parallelism"),
         (Layout(dp=3), 4, "tp \\* pp \\* dp = 3 but there are 4 GPUs"),
-        (Layout(zero=3), 1, "ZeRO-3 is not implemented"),
+        (Layout(zero=4), 1, "must be 0, 1, 2 or 3; got 4"),
+        (Layout(pp=2, dp=2, zero=3), 4, "ZeRO stage 3 does not combine with pipeline parallelism"),
+        (Layout(offload=True), 1, "offload .* needs ZeRO stage 1, 2 or 3"),
     ]
     for layout, gpus, message in cases:
         with pytest.raises(PlanError, match=message):
@@ -165,3 +167,26 @@ def test_a_model_too_big_for_the_gpus_fits_nowhere():
     assert plans and not any(p.fits for p in plans)
     smallest = min(p.memory_per_gpu for p in plans)
     assert smallest > H100.memory_bytes - 3 * GIB
+
+
+def test_stage_3_and_offload_predict_the_bytes_bench_zero3_measured():
+    """benchmarks/results/2026-11-28-cpu-zero3-bytes.md measured, per rank, the model states and
+    the part in host memory of 8 x Linear(1024, 1024) (Psi = 8,396,800) at stages 1, 2 and 3 with
+    and without optimizer offload on 2 and 4 ranks, and the bytes each rank sends per step. The plan of the same parameter count predicts each within the table's rounding
+    (0.01 MB); its per-GPU memory counts the device part only."""
+    import re
+    from pathlib import Path
+
+    table = (Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "2026-11-28-cpu-zero3-bytes.md").read_text()
+    rows = re.findall(r"^\| (\d) \| (\d)\s+\| (none|optimizer)\s+\| 8396800 \| ([\d.]+)\s+\| [\d.]+\s+\| ([\d.]+)\s+\|"
+                      r" [\d.]+\s+\| ([\d.]+)", table, re.M)
+    assert len(rows) == 12, rows  # stages 1-3, with and without optimizer offload, on 2 and 4 ranks
+    for n, stage, offload, states_mb, host_mb, sent_mb in rows:
+        layout = Layout(dp=int(n), zero=int(stage), offload=offload == "optimizer")
+        plan = estimate(None, layout, H100, params=8_396_800)
+        memory = plan.stages[0].memory
+        assert abs(memory["model_states"] / 1e6 - float(states_mb)) <= 0.01, (n, stage, offload, memory)
+        assert abs(memory.get("offloaded", 0.0) / 1e6 - float(host_mb)) <= 0.01, (n, stage, offload, memory)
+        if stage == "3":  # no bucket buffers, fp32 gradient shards already: per GPU, the device part alone
+            assert plan.stages[0].total == memory["model_states"] - memory.get("offloaded", 0.0)
+        assert abs(plan.communication["dp"]["total"] / 1e6 - float(sent_mb)) <= 0.01, (n, stage, plan.communication)

@@ -203,10 +203,12 @@ def _cross_section_problems(config: TachyonConfig) -> list[str]:
     stages = config.pipeline.num_stages or 1
     if stages > 1 and config.zero_stage >= 2:
         problems.append(
-            f"`zero_optimization.stage: {config.zero_stage}` with `pipeline.stages: {stages}`: ZeRO stage 2 "
-            "partitions gradients during every micro-batch's backward, which a pipeline schedule interleaves "
+            f"`zero_optimization.stage: {config.zero_stage}` with `pipeline.stages: {stages}`: ZeRO stages 2 and 3 "
+            "partition gradients during every micro-batch's backward, which a pipeline schedule interleaves "
             "across micro-batches (DeepSpeed refuses it too); use zero_optimization.stage 0 or 1 with pipelines"
         )
+    problems.extend(stage3_problems(config))
+    problems.extend(offload_problems(config))
     if config.tensor_parallel.sequence_parallel and config.activation_checkpointing.partition_activations:
         problems.append(
             "`activation_checkpointing.partition_activations: true` with `tensor_parallel.sequence_parallel: true`: "
@@ -220,6 +222,64 @@ def _cross_section_problems(config: TachyonConfig) -> list[str]:
             f"`quantize_training.enabled: true` with `tensor_parallel.tp_size: {tp}`: MoQ scales each output channel "
             "by its largest weight, and a row-parallel shard holds only part of each row, so the shards would not "
             "share one grid; use tensor_parallel.tp_size 1 with quantize_training"
+        )
+    return problems
+
+
+def stage3_problems(config: TachyonConfig) -> list[str]:
+    """What ZeRO stage 3 (FSDP2, `tachyon.engine.zero.fsdp`) cannot combine with, by name."""
+    if config.zero_stage != 3:
+        return []
+    problems = []
+    kind = config.optimizer.type if config.optimizer is not None else None
+    if kind in ("OneBitAdam", "OneBitLamb"):
+        problems.append(
+            f'`optimizer.type: "{kind}"` with `zero_optimization.stage: 3`: the 1-bit optimizers average compressed '
+            "gradients themselves, from every rank's whole gradient; stage 3 reduce-scatters each block's gradients "
+            "inside the backward (DeepSpeed does not combine them either); use stage 0 with 1-bit optimizers"
+        )
+    if kind == "Lamb":
+        problems.append(
+            '`optimizer.type: "Lamb"` with `zero_optimization.stage: 3`: LAMB\'s trust ratio needs the norm of every '
+            "whole parameter, and stage 3 steps per-parameter shards; use stage 1 or 2 with Lamb, or Adam / AdamW"
+        )
+    if config.quantize_training.enabled:
+        problems.append(
+            "`quantize_training.enabled: true` with `zero_optimization.stage: 3`: MoQ snaps the model's whole linear "
+            "weights onto a grid after every step, and stage 3 holds only shards of them; use stage 0, 1 or 2"
+        )
+    if config.cuda_graph.enabled:
+        problems.append(
+            "`cuda_graph.enabled: true` with `zero_optimization.stage: 3`: FSDP2 gathers and frees each block's "
+            "parameters in module hooks that decide on the host and synchronize streams, which a captured graph "
+            "cannot replay; use stage 0, 1 or 2 with cuda_graph"
+        )
+    return problems
+
+
+def offload_problems(config: TachyonConfig) -> list[str]:
+    """What ZeRO-Offload (`tachyon.engine.zero.offload`) cannot combine with, by name."""
+    zero, problems = config.zero_optimization, []
+    if zero.offloads_params and zero.stage != 3:
+        problems.append(
+            f'`zero_optimization.offload_param: {{"device": "cpu"}}` with `zero_optimization.stage: {zero.stage}`: '
+            "parameters are offloaded only where they are sharded, at stage 3 (DeepSpeed requires stage 3 too)"
+        )
+    if zero.offloads_optimizer and zero.stage == 0:
+        problems.append(
+            '`zero_optimization.offload_optimizer: {"device": "cpu"}` with `zero_optimization.stage: 0`: ZeRO-Offload '
+            "moves each rank's partition of the optimizer states to the host; use stage 1, 2 or 3"
+        )
+    kind = config.optimizer.type if config.optimizer is not None else None
+    if (zero.offloads_optimizer or zero.offloads_params) and kind in ("OneBitAdam", "OneBitLamb"):
+        problems.append(
+            f'`optimizer.type: "{kind}"` with ZeRO-Offload: the 1-bit optimizers compress and exchange gradients on '
+            "the training device; turn offload off"
+        )
+    if (zero.offloads_optimizer or zero.offloads_params) and config.quantize_training.enabled:
+        problems.append(
+            "`quantize_training.enabled: true` with ZeRO-Offload: MoQ snaps the model's weights from full-precision "
+            "values kept beside the device weights, which offload moves to the host; turn one of them off"
         )
     return problems
 
@@ -279,9 +339,15 @@ def _ignore_what_deepspeed_ignores(raw: dict[str, Any], config: TachyonConfig, i
     """Values DeepSpeed accepts and then does not use, accepted the same way and reported in
     ``ignored_keys`` (IGNORED_VALUES says why)."""
     accum = config.data_types.grad_accum_dtype
-    if accum is not None and accum not in ("fp32", config.precision) and config.zero_stage > 0:
+    if accum is not None and (accum not in ("fp32", config.precision) or config.zero_stage == 3) \
+            and config.zero_stage > 0 and accum != "fp32":
         ignored["data_types.grad_accum_dtype"] = accum
         config.data_types.grad_accum_dtype = None
+    zero = raw.get("zero_optimization") if isinstance(raw.get("zero_optimization"), dict) else {}
+    if config.zero_stage == 3:
+        for key in STAGE3_IGNORED:
+            if key in zero:
+                ignored[f"zero_optimization.{key}"] = zero[key]
     if config.fp16.enabled and config.zero_stage == 0 and config.fp16.hysteresis != 1:
         # DeepSpeed's fp16 optimizer without ZeRO halves the scale at every overflow (its ZeRO
         # optimizers' scaler is the one that spends hysteresis first)
@@ -299,11 +365,24 @@ IGNORED_VALUES: dict[str, str] = {
     "fp16.hysteresis": "without ZeRO (stage 0): DeepSpeed's fp16 optimizer halves the loss scale at every overflow, "
                        "and so does tachyon; the hysteresis counts at ZeRO stages 1 and 2",
     "data_types.grad_accum_dtype": "a dtype other than fp32 or the model's under ZeRO stage 1/2: DeepSpeed's ZeRO "
-                                   "optimizer accumulates in the model dtype then, and so does tachyon",
+                                   "optimizer accumulates in the model dtype then, and so does tachyon; at stage 3 "
+                                   "gradients accumulate in the sharded fp32 master gradient (FSDP2) whatever it says",
+    **{f"zero_optimization.{key}": f"at stage 3: {why}" for key, why in {
+        "reduce_bucket_size": "FSDP2 reduce-scatters each sharded block's gradients in one collective (the bucket is "
+                              "the block)",
+        "allgather_bucket_size": "FSDP2 all-gathers each sharded block's parameters in one collective",
+        "overlap_comm": "FSDP2 overlaps its collectives with compute on its own streams (on GPUs) whatever it says",
+        "contiguous_gradients": "FSDP2 reduce-scatters into one contiguous buffer per block",
+        "reduce_scatter": "stage 3 always reduce-scatters",
+        "round_robin_gradients": "a stage 1/2 gradient-copy schedule",
+    }.items()},
     "optimizer.params.adam_w_mode": 'false with type "AdamW": DeepSpeed applies decoupled weight decay for AdamW '
                                     "whatever adam_w_mode says, and so does tachyon",
 }
 """Keys whose value is accepted and ignored in some combinations (`TachyonConfig.ignored_keys`)."""
+STAGE3_IGNORED = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
+                  "reduce_scatter", "round_robin_gradients")
+"""zero_optimization keys of stages 1/2 that a stage-3 config may carry (reported, no effect)."""
 
 
 def load_config(config: Any, world_size: int = 1, *, data_parallel_size: int | None = None) -> TachyonConfig:

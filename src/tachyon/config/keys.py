@@ -64,12 +64,12 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients",
     "bf16.bf16_optimizer_states": "bf16 optimizer states",
     # ZeRO
-    "zero_optimization.stage": "ZeRO stage 3",
-    "zero_optimization.offload_optimizer": "ZeRO-Offload of optimizer states",
-    "zero_optimization.offload_param": "ZeRO-Offload of parameters",
-    "zero_optimization.cpu_offload": "ZeRO-Offload of optimizer states",
-    "zero_optimization.cpu_offload_param": "ZeRO-Offload of parameters",
-    "zero_optimization.cpu_offload_use_pin_memory": "ZeRO-Offload",
+    "zero_optimization.cpu_offload": "the deprecated spelling of ZeRO-Offload (write offload_optimizer: "
+                                     '{"device": "cpu"})',
+    "zero_optimization.cpu_offload_param": "the deprecated spelling of parameter offload (write offload_param: "
+                                           '{"device": "cpu"})',
+    "zero_optimization.cpu_offload_use_pin_memory": "the deprecated spelling of offload pinning (write "
+                                                    "offload_optimizer.pin_memory)",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
     "zero_optimization.zero_quantized_weights": "ZeRO++ quantized weights",
     "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized weights",
@@ -97,12 +97,28 @@ UNSUPPORTED_KEYS: dict[str, str] = {
 """Dotted key path -> the DeepSpeed feature tachyon does not implement yet."""
 
 _HINT = "a logging / debugging switch with no effect on training"
-_ZERO3 = "a ZeRO stage 3 setting: it takes effect only at stage 3 (which tachyon refuses), and DeepSpeed ignores it below"
-_ZERO3_ONLY = "a ZeRO-3 / offload implementation detail with no counterpart in tachyon's stages 0-2"
+_STAGE3 = "at stage 3 (torch's FSDP2): "
+_ZERO3_ONLY = "a DeepSpeed ZeRO-3 / offload implementation detail with no counterpart in FSDP2 or tachyon's stages 0-2"
+_OFFLOAD_KNOB = "a DeepSpeed NVMe / swap-buffer setting; tachyon offloads to host memory only (device cpu)"
 _NOT_READ = "not read by DeepSpeed either (it ignores unknown keys in this section); found in real configs"
-_ZERO3_KNOBS = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
-                "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
-                "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential")
+_ZERO3_REASONS = {
+    "param_persistence_threshold": _STAGE3 + "every parameter is sharded; small ones (norms, biases) travel in their "
+                                   "block's single all-gather, so keeping them whole would save no collective",
+    "model_persistence_threshold": _STAGE3 + "every parameter is sharded (see stage3_param_persistence_threshold)",
+    "max_live_parameters": _STAGE3 + "FSDP2 frees a block's gathered parameters after its forward and after its "
+                           "backward, so at most the running block and the prefetched one are whole at a time",
+    "max_reuse_distance": _STAGE3 + "FSDP2 re-gathers a block for its backward (the root's parameters stay "
+                          "gathered from forward to backward); there is no reuse window to tune",
+    "gather_16bit_weights_on_model_save": "engine.save_16bit_model always writes the consolidated weights: at stage 3 "
+                                          "it gathers one parameter at a time onto rank 0, so no rank ever holds the "
+                                          "whole model",
+    "gather_fp16_weights_on_model_save": "the older name of stage3_gather_16bit_weights_on_model_save: "
+                                         "engine.save_16bit_model always writes the consolidated weights",
+    "module_granularity_threshold": _STAGE3 + "the sharded units are the transformer blocks (docs/zero.md), not "
+                                    "chosen by size",
+    "use_all_reduce_for_fetch_params": _STAGE3 + "FSDP2 gathers parameters with all-gather",
+    "allgather_sequential": _STAGE3 + "FSDP2 gathers a block's parameters in one all-gather",
+}
 
 ACCEPTED_IGNORED_KEYS: dict[str, str] = {
     "dump_state": _HINT,
@@ -123,14 +139,19 @@ ACCEPTED_IGNORED_KEYS: dict[str, str] = {
     "zero_optimization.ignore_unused_parameters": "parameters without gradients are always allowed",
     "zero_optimization.log_trace_cache_warnings": _HINT,
     "zero_optimization.enable_sanity_checks": _HINT,
-    "zero_optimization.sub_group_size": _ZERO3_ONLY,
+    "zero_optimization.sub_group_size": "DeepSpeed steps the optimizer in sub-groups to bound its offload buffers; "
+                                        "tachyon steps every local shard in one fused call",
     "zero_optimization.memory_efficient_linear": _ZERO3_ONLY,
     "zero_optimization.pipeline_loading_checkpoint": _ZERO3_ONLY,
     "zero_optimization.override_module_apply": _ZERO3_ONLY,
     "zero_optimization.leaf_module": _ZERO3_ONLY,
     "zero_optimization.save_muon_momentum_buffer_in_memory": "the Muon optimizer's setting (tachyon has no Muon)",
-    "zero_optimization.stage3_*": _ZERO3,
-    **{f"zero_optimization.{key}": _ZERO3 for key in _ZERO3_KNOBS},
+    **{f"zero_optimization.stage3_{key}": why for key, why in _ZERO3_REASONS.items()},
+    **{f"zero_optimization.{key}": why for key, why in _ZERO3_REASONS.items()},
+    **{f"zero_optimization.offload_optimizer.{key}": _OFFLOAD_KNOB for key in (
+        "buffer_count", "fast_init", "nvme_path", "pipeline", "pipeline_read", "pipeline_write")},
+    **{f"zero_optimization.offload_param.{key}": _OFFLOAD_KNOB for key in (
+        "buffer_count", "buffer_size", "max_in_cpu", "nvme_path")},
     "pipeline.pipe_partitioned": "DeepSpeed's activation partitioning between stages; torch.distributed.pipelining "
                                  "sends whole activations",
     "pipeline.grad_partitioned": "as pipe_partitioned, for gradients",
@@ -144,10 +165,6 @@ def _is(*values: Any) -> Callable[[Any], bool]:
 
 def _disabled(v: Any) -> bool:
     return v is None or v is False or (isinstance(v, dict) and v.get("enabled") is False)
-
-
-def _no_offload(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and str(v.get("device", "")).lower() == "none")
 
 
 _DISABLED = (_disabled, '{"enabled": false}')
@@ -183,8 +200,6 @@ OFF_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tensor_parallel.partition_config": (_is(None), "null"),
     "tensor_parallel.preset_model": (_is(None), "null"),
     "tensor_parallel.keep_module_on_host": (_is(False, None), "false"),
-    "zero_optimization.offload_optimizer": (_no_offload, '{"device": "none"}'),
-    "zero_optimization.offload_param": (_no_offload, '{"device": "none"}'),
     "zero_optimization.zero_hpz_partition_size": (_is(1), "1"),
     "zero_optimization.mics_shard_size": (_is(-1), "-1"),
     "zero_optimization.load_from_fp32_weights": (_is(True), "true"),
@@ -194,7 +209,6 @@ OFF_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     # goes on to type checking.
     "fp16.auto_cast": (lambda v: v is not True, "false"),
     "checkpoint.load_universal": (lambda v: v is not True, "false"),
-    "zero_optimization.stage": (lambda v: not (type(v) is int and v == 3), "0, 1 or 2"),
 }  # fmt: skip
 """Dotted key path in `UNSUPPORTED_KEYS` -> (accepts a value that leaves the feature off, how
 to write such a value)."""
@@ -274,17 +288,11 @@ def walk(
         if pattern is not None:
             is_off, off_text = OFF_VALUES.get(pattern, (lambda v: False, None))
             if not is_off(value):
-                if path == "zero_optimization.stage":
-                    problems.append(
-                        "ZeRO stage 3 is not supported yet (`zero_optimization.stage: 3`); "
-                        "tachyon implements ZeRO stages 0, 1 and 2"
-                    )
-                else:
-                    in_fields = key in by_key
-                    problems.append(
-                        not_supported(path, UNSUPPORTED_KEYS[pattern],
-                                      value if in_fields or off_text else None, off_text)
-                    )  # fmt: skip
+                in_fields = key in by_key
+                problems.append(
+                    not_supported(path, UNSUPPORTED_KEYS[pattern],
+                                  value if in_fields or off_text else None, off_text)
+                )  # fmt: skip
                 continue
             if key not in by_key:
                 ignored[path] = value

@@ -24,6 +24,7 @@ from .types import (
     PositiveInt,
     Section,
     ZeroStage,
+    _integral_float,
     problem,
 )
 
@@ -70,11 +71,63 @@ def _none_means_false(value: Any) -> Any:
     return False if value is None else value
 
 
+def _offload_device(section: str):
+    def check(value: Any) -> Any:
+        if isinstance(value, str):
+            lowered = value.lower()
+            if lowered == "nvme":
+                raise problem(
+                    f'`zero_optimization.{section}.device: "nvme"` (ZeRO-Infinity\'s NVMe offload) is not supported '
+                    'by tachyon; offload to "cpu" (host memory) or use "none"'
+                )
+            return lowered
+        return value
+
+    return check
+
+
+class OffloadOptimizerConfig(Section):
+    """``"zero_optimization.offload_optimizer"`` (ZeRO-Offload): ``device: "cpu"`` keeps the fp32
+    master weights and optimizer states in host memory and runs the optimizer step there (a
+    fused CPU Adam for Adam / AdamW); gradients are moved to the host as they are reduced.
+    Stages 1, 2 and 3. ``pin_memory``: page-locked host buffers (faster, asynchronous copies; on
+    CUDA only). ``"nvme"`` is refused by name. DeepSpeed's NVMe / pipelining knobs are accepted
+    and ignored (docs/zero.md)."""
+
+    device: Annotated[Literal["none", "cpu"], BeforeValidator(_offload_device("offload_optimizer"))] = "none"
+    pin_memory: bool = False
+    ratio: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Fraction of the optimizer work offloaded (DeepSpeed's partial offload): only 1.0 is supported."""
+
+    @model_validator(mode="after")
+    def _whole(self) -> OffloadOptimizerConfig:
+        if self.ratio != 1.0:
+            raise problem(f"`zero_optimization.offload_optimizer.ratio: {self.ratio}` (partial optimizer offload) is not supported; tachyon offloads "
+                          "the whole optimizer (ratio 1.0)")
+        return self
+
+
+class OffloadParamConfig(Section):
+    """``"zero_optimization.offload_param"`` (stage 3 only): ``device: "cpu"`` keeps the sharded
+    fp32 parameters and their gradients in host memory (FSDP2's CPU offload policy); each
+    block's shards are copied to the device when it is gathered, and the optimizer steps on the
+    host. ``"nvme"`` is refused by name."""
+
+    device: Annotated[Literal["none", "cpu"], BeforeValidator(_offload_device("offload_param"))] = "none"
+    pin_memory: bool = False
+
+
 class ZeroConfig(Section):
     """``"zero_optimization"``: ZeRO stage 0 (plain data parallel), 1 (optimizer states
-    partitioned) or 2 (optimizer states and gradients partitioned). Bucket sizes count elements.
+    partitioned), 2 (optimizer states and gradients partitioned) or 3 (parameters too, on
+    torch's FSDP2: docs/zero.md). Bucket sizes count elements.
 
     ``overlap_comm: null`` means DeepSpeed's dynamic default, which is false below stage 3.
+    ``stage3_prefetch_bucket_size``: at stage 3, non-zero makes each sharded block's forward
+    prefetch the next block's all-gather (FSDP2's explicit forward prefetch; the size itself is
+    not used: FSDP2 gathers whole blocks), 0 turns that off. ``shard_module_classes``
+    (tachyon's): class names of the modules stage 3 shards as one unit each, besides the ones it
+    finds itself (tachyon's transformer layers and an HF model's ``_no_split_modules``).
     """
 
     stage: ZeroStage = 0
@@ -84,6 +137,36 @@ class ZeroConfig(Section):
     allgather_bucket_size: BucketSize = 500_000_000
     overlap_comm: Annotated[bool, BeforeValidator(_none_means_false)] = False
     round_robin_gradients: bool = False
+    stage3_prefetch_bucket_size: Annotated[int, BeforeValidator(_integral_float), Field(ge=0)] = 50_000_000
+    prefetch_bucket_size: Annotated[int, BeforeValidator(_integral_float), Field(ge=0)] | None = Field(None, exclude=True)
+    """DeepSpeed's other spelling of ``stage3_prefetch_bucket_size`` (read as that key)."""
+    shard_module_classes: list[str] | None = None
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    offload_param: OffloadParamConfig | None = None
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.offload_optimizer is not None and self.offload_optimizer.device == "cpu"
+
+    @property
+    def offloads_params(self) -> bool:
+        return self.offload_param is not None and self.offload_param.device == "cpu"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_prefetch_key(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("prefetch_bucket_size") is None:
+            return data
+        data = dict(data)
+        other = data.pop("prefetch_bucket_size")
+        if "stage3_prefetch_bucket_size" in data and data["stage3_prefetch_bucket_size"] != other:
+            raise problem(
+                f"`zero_optimization.prefetch_bucket_size` ({other}) and `zero_optimization."
+                f"stage3_prefetch_bucket_size` ({data['stage3_prefetch_bucket_size']}) name the same setting with "
+                "different values; keep one"
+            )
+        data["stage3_prefetch_bucket_size"] = other
+        return data
 
 
 class DataTypesConfig(Section):

@@ -65,7 +65,7 @@ UnitFloat = Annotated[float, Field(ge=0, le=1)]
 """A float in [0, 1] (ratios, momentum)."""
 BucketSize = Annotated[int, BeforeValidator(_integral_float), Field(gt=0)]
 """Number of elements; accepts ``5e8``."""
-ZeroStage = Annotated[int, AfterValidator(_one_of(0, 1, 2))]
+ZeroStage = Annotated[int, AfterValidator(_one_of(0, 1, 2, 3))]
 DType = Annotated[Literal["fp32", "fp16", "bf16"], BeforeValidator(_canonical_dtype)]
 """``"fp32" | "fp16" | "bf16"``; DeepSpeed's other spellings (``"bfloat16"``, ...) map here."""
 WarmupType = Literal["log", "linear"]

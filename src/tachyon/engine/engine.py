@@ -84,6 +84,7 @@ from .preemption import PreemptionHandler
 from .telemetry import EngineTelemetry
 from .zero import DataParallelComm, ZeroStrategy, build_zero_strategy
 from .zero.model_parallel import ModelParallelSum, duplicate_parameters
+from .zero.offload import check_offload_inputs, mark_host_optimizer, plan_of
 
 CLIP_EPS = 1e-6
 """clip coefficient = max_norm / (norm + CLIP_EPS), as in torch.nn.utils.clip_grad_norm_."""
@@ -143,27 +144,36 @@ class Engine(DeepSpeedEngineSurface, torch.nn.Module):
         self.telemetry = EngineTelemetry(config, comm, device)
 
         self.precision: Precision = build_precision(config)
-        model.to(device=device, dtype=self.precision.model_dtype)
         param_groups = _param_groups(optimizer, model_parameters, model)
         zero = config.zero_optimization
         comm_dtype = config.communication_data_type
-        self.zero: ZeroStrategy = build_zero_strategy(
-            config.zero_stage,
-            param_groups,
-            model_dtype=self.precision.model_dtype,
-            grad_accum_dtype=self.precision.grad_accum_dtype,
-            comm=comm,
-            device=device,
-            reduce_bucket_size=zero.reduce_bucket_size,
-            allgather_bucket_size=zero.allgather_bucket_size,
-            overlap_comm=zero.overlap_comm,
-            comm_dtype=DTYPES[comm_dtype] if comm_dtype else None,
-            gradient_predivide_factor=config.gradient_predivide_factor,
-            prescale_gradients=config.prescale_gradients,
-        )
+        if config.zero_stage == 3:  # the model is sharded in place on FSDP2 (tachyon.engine.zero.stage3)
+            from .zero.stage3 import build_stage3
+
+            self.zero = build_stage3(model, param_groups, config=config, model_dtype=self.precision.model_dtype,
+                                     comm=comm, device=device, mesh=mesh)
+        else:
+            model.to(device=device, dtype=self.precision.model_dtype)
+            self.zero: ZeroStrategy = build_zero_strategy(
+                config.zero_stage,
+                param_groups,
+                model_dtype=self.precision.model_dtype,
+                grad_accum_dtype=self.precision.grad_accum_dtype,
+                comm=comm,
+                device=device,
+                reduce_bucket_size=zero.reduce_bucket_size,
+                allgather_bucket_size=zero.allgather_bucket_size,
+                overlap_comm=zero.overlap_comm,
+                comm_dtype=DTYPES[comm_dtype] if comm_dtype else None,
+                gradient_predivide_factor=config.gradient_predivide_factor,
+                prescale_gradients=config.prescale_gradients,
+                offload=plan_of(config),
+            )
         if mesh is not None and (mesh.size("tp") > 1 or mesh.size("pp") > 1):
             self.zero.set_model_parallel(ModelParallelSum(mesh), duplicate_parameters(model, mesh))
         self.optimizer = _bind_optimizer(optimizer, config, self.zero)
+        if self.zero.offload.any:  # ZeRO-Offload: the step runs on the host (tachyon.engine.zero.offload)
+            mark_host_optimizer(self.optimizer)
         precision = self.precision  # not self: the strategy must not keep the engine alive
         tp = None
         if mesh is not None and mesh.size("tp") > 1:
@@ -489,6 +499,14 @@ def check_engine_inputs(model: Any, config: TachyonConfig, optimizer: Any, lr_sc
         raise ValueError("optimizer already has state; pass a freshly built optimizer")
     if config.progressive_layer_drop.enabled:
         _check_pld_forward(model)
+    if config.zero_stage == 3:
+        from .zero.stage3 import check_stage3_inputs
+
+        check_stage3_inputs(model, config, optimizer)
+    check_offload_inputs(model, config)
+    from .zero.stage3 import check_built_sharded
+
+    check_built_sharded(model, config)
 
 
 def _world_comm() -> DataParallelComm:

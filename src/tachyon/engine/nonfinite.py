@@ -139,7 +139,7 @@ def first_nonfinite_slot(zero: Any, flats: list[torch.Tensor]) -> int | None:
     optimizer state) holds an inf or nan on this rank; None when none does. Local, no collective."""
     per_slot = zero.master_pieces(zero.rank, whole=not zero.partitioned_masters)
     for index, (slot, pieces) in enumerate(zip(zero.flat.slots, per_slot)):
-        flat = flats[slot.group]
+        flat = flats[zero.master_index(slot)]
         if any(not bool(torch.isfinite(flat.narrow(0, at, hi - lo)).all()) for lo, hi, at in pieces):
             return index
     return None
@@ -158,7 +158,7 @@ def first_nonfinite_parameter(zero: Any, module: torch.nn.Module, grads: list[to
     found = first_nonfinite_slot(zero, grads)
     found = len(zero.flat.slots) if found is None else found
     if zero.comm.enabled and zero.world_size > 1:
-        flag = torch.tensor([float(found)], device=grads[0].device if grads else None)
+        flag = torch.tensor([float(found)], device=zero.device)
         zero.comm.all_reduce(flag, op=dist.ReduceOp.MIN)
         found = int(flag.item())
     return None if found >= len(zero.flat.slots) else slot_name(zero, module, found)

@@ -74,6 +74,11 @@ def initialize(
     source = _config_source(args, config, config_params)
     world_size, must_init = _planned_world(dist_init_required)
     parsed = parse_config(source)
+    if parsed.zero_stage == 3 and not must_init and not (dist.is_available() and dist.is_initialized()):
+        if dist_init_required is False:  # FSDP2 shards over a process group, even of one rank
+            raise ValueError("zero_optimization.stage 3 shards the model over a torch.distributed process group: "
+                             "dist_init_required=False leaves none; pass None (a one-process group is started)")
+        must_init = True
     if mpu is not None:
         check_mpu(mpu)
     layout = resolve_layout(model, mpu, parsed, world_size)

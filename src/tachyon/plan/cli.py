@@ -64,7 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     layout = parser.add_argument_group("layout (left out: searched)")
     layout.add_argument("--gpus", type=count, required=True, help="number of GPUs")
     layout.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)} (default h100)")
-    layout.add_argument("--zero", type=int, choices=(0, 1, 2), help="ZeRO stage")
+    layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (searched: 0-2)")
+    layout.add_argument("--offload", action="store_true",
+                        help="ZeRO-Offload: optimizer states, fp32 masters and gradient accumulator in host memory "
+                             "(stages 1-3)")
     layout.add_argument("--tp", type=count, help="tensor-parallel size")
     layout.add_argument("--pp", type=count, help="pipeline stages")
     layout.add_argument("--micro-batch", type=count, help="sequences per GPU per forward")
@@ -116,11 +119,11 @@ def build(args: argparse.Namespace):
     )
     choices = Choices(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch,
                       global_batch=args.global_batch, checkpointing=args.checkpointing, dtype=args.dtype,
-                      schedule=args.schedule)
+                      schedule=args.schedule, offload=args.offload)
     if spec is None:  # parameters only: no activations, so nothing to search but the ZeRO stage
         choices = Choices(tp=args.tp or 1, pp=args.pp or 1, zero=args.zero, micro_batch=args.micro_batch or 1,
                           global_batch=args.global_batch, checkpointing=args.checkpointing or "none",
-                          dtype=args.dtype, schedule=args.schedule)
+                          dtype=args.dtype, schedule=args.schedule, offload=args.offload)
     if not choices.open:
         layout = fixed_layout(spec, args.gpus, gpu, choices)
         return [estimate(spec, layout, gpu, assumptions, args.params)], False

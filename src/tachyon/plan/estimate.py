@@ -9,8 +9,11 @@ Memory per GPU (the most loaded pipeline stage):
 - activations: `tachyon.plan.activations` per micro-batch, times the micro-batches in flight
   (1F1B: stage i holds pp - i; GPipe: all), plus one recomputed layer with full checkpointing;
 - buffers during backward: ZeRO-1/2's bucket buffers (one, two with overlap_comm, of the largest
-  bucket), the largest parameter's gradient before the engine folds it into its accumulator, and
-  the logits around the loss;
+  bucket), ZeRO-3's gathered layers (the running and the prefetched one, model dtype), the
+  largest parameter's gradient before the engine folds it into its accumulator, and the logits
+  around the loss;
+- with ``offload`` (ZeRO-Offload of the optimizer), the model states' ``offloaded`` part is in
+  host memory and not counted per GPU;
 - during the optimizer step (activations gone): the fp32 master gradients that replace a bf16 /
   fp16 accumulator. The peak is model states + the larger of the backward set and this.
 
@@ -20,7 +23,10 @@ model dtype (DeepSpeed's default ``communication_data_type``):
 
 - dp: ZeRO 0 all-reduces the gradients once per step; ZeRO 1 reduce-scatters them once per step
   (every micro-step when they accumulate in a wider dtype than the model's), ZeRO 2 on every
-  micro-step (as DeepSpeed); ZeRO 1/2 then all-gather the updated parameters.
+  micro-step (as DeepSpeed); ZeRO 1/2 then all-gather the updated parameters. ZeRO 3 (FSDP2)
+  all-gathers the parameters for every micro-step's forward and backward and reduce-scatters
+  the gradients every micro-step: the ZeRO paper's 3 Psi per micro-step; it overlaps them with
+  compute (prefetch), so only what exceeds the compute time is exposed.
 - tp (Megatron-style with sequence parallelism): per layer and micro-batch two all-gathers and two
   reduce-scatters of the [tokens, hidden] activations forward, as many backward (4 all-reduce
   equivalents), two more when full checkpointing recomputes the layer; two for the embedding and
@@ -115,8 +121,10 @@ class StagePlan:
     def total(self) -> float:
         """Model states + the larger of what backward adds and what the optimizer step adds."""
         m = self.memory
-        backward = sum(m.get(k, 0.0) for k in ("activations", "logits", "largest_gradient", "bucket_buffers"))
-        return m["model_states"] + max(backward, m.get("step_master_gradients", 0.0))
+        backward = sum(m.get(k, 0.0) for k in ("activations", "logits", "largest_gradient", "bucket_buffers",
+                                               "gathered_layers"))
+        device_states = m["model_states"] - m.get("offloaded", 0.0)  # offloaded: in host memory
+        return device_states + max(backward, m.get("step_master_gradients", 0.0))
 
 
 @dataclasses.dataclass
@@ -227,9 +235,12 @@ def estimate(spec: ModelSpec | None, layout: Layout, gpu: GPUSpec, assumptions: 
         flat = padded(count, layout.dp)
         states = model_state_bytes(flat, layout.dp, layout.zero, param_bytes=precision.param_bytes,
                                    grad_accum_bytes=precision.grad_accum_bytes, fp32_master=precision.fp32_master,
-                                   optimizer_state_bytes=opt_bytes, gradient_accumulation_steps=layout.grad_accum)
+                                   optimizer_state_bytes=opt_bytes, gradient_accumulation_steps=layout.grad_accum,
+                                   offload=layout.offload)
         states["optimizer_states"] += STEP_TENSOR_BYTES[assumptions.optimizer]
         states["model_states"] += STEP_TENSOR_BYTES[assumptions.optimizer]
+        if layout.offload:
+            states["offloaded"] += STEP_TENSOR_BYTES[assumptions.optimizer]
         memory = dict(states)
         if spec is not None:
             stage_act = act.stage_activations(spec, layout.dtype, layout.checkpointing, tokens, layers,
@@ -238,7 +249,9 @@ def estimate(spec: ModelSpec | None, layout: Layout, gpu: GPUSpec, assumptions: 
             memory["logits"] = (act.logits_transient_bytes_per_token(spec, layout.dtype, layout.tp) * tokens
                                 if last else 0.0)
         memory["largest_gradient"] = _largest_param(spec, layout, count, first) * precision.param_bytes
-        if layout.zero >= 1:  # bucket buffers hold at most reduce_bucket_size model-dtype elements' bytes
+        if layout.zero == 3 and spec is not None:  # the running and the prefetched layer, gathered
+            memory["gathered_layers"] = 2 * spec.layer_params(layout.tp) * precision.param_bytes
+        if layout.zero in (1, 2):  # bucket buffers hold at most reduce_bucket_size model-dtype elements' bytes
             quantum = layout.dp * ALIGN
             numel = max(quantum, assumptions.reduce_bucket_size * precision.param_bytes // precision.comm_bytes
                         // quantum * quantum)
@@ -246,7 +259,8 @@ def estimate(spec: ModelSpec | None, layout: Layout, gpu: GPUSpec, assumptions: 
             memory["bucket_buffers"] = buffers * min(flat, numel) * precision.comm_bytes
         shard = flat if layout.zero == 0 else flat // layout.dp
         needs_fp32_grads = precision.fp32_master and precision.grad_accum_bytes != 4
-        memory["step_master_gradients"] = 4 * shard if needs_fp32_grads else 0
+        on_device = not layout.offload and layout.zero != 3  # stage 3's gradient shards are fp32 already
+        memory["step_master_gradients"] = 4 * shard if needs_fp32_grads and on_device else 0
         stages.append(StagePlan(i, layers, count, memory))
     flat_max = max(padded(c, layout.dp) for _, c in stage_counts)
     communication = _communication(spec, layout, precision, flat_max, tokens)
@@ -268,10 +282,12 @@ def _communication(spec: ModelSpec | None, layout: Layout, precision: Precision,
     c, p = precision.comm_bytes, precision.param_bytes
     if layout.zero == 0:
         grads = _ring_all_reduce(flat * c, d)
+    elif layout.zero == 3:  # FSDP2: every micro-step reduce-scatters, and gathers for forward and backward
+        grads = _ring_gather(flat * c, d) * m
     else:  # reduce-scatter: stage 2 every micro-step, stage 1 too when accumulating wider than the model
         every_micro_step = layout.zero == 2 or precision.grad_accum_bytes > precision.param_bytes
         grads = _ring_gather(flat * c, d) * (m if every_micro_step else 1)
-    gather = _ring_gather(flat * p, d) if layout.zero >= 1 else 0.0
+    gather = _ring_gather(flat * p, d) * (2 * m if layout.zero == 3 else 1) if layout.zero >= 1 else 0.0
     out = {"dp": {"gradient_reduction": grads, "parameter_allgather": gather, "total": grads + gather}}
     if spec is None:
         return out
@@ -347,14 +363,17 @@ def _time(spec: ModelSpec, layout: Layout, precision: Precision, gpu: GPUSpec, a
     dp = communication["dp"]
     reduce_time = dp["gradient_reduction"] / dp_bw
     every_micro_step = layout.zero == 2 or (layout.zero == 1 and precision.grad_accum_bytes > precision.param_bytes)
-    if assumptions.overlap_comm:
+    if layout.zero == 3:  # FSDP2 prefetches the next layer's gather and reduce-scatters behind the backward
+        exposed = max(0.0, (dp["gradient_reduction"] + dp["parameter_allgather"]) / dp_bw - pipeline)
+    elif assumptions.overlap_comm:
         if every_micro_step:
             exposed = m * max(0.0, reduce_time / m - backward_of_slot)
         else:
             exposed = max(0.0, reduce_time - backward_of_slot)
     else:
         exposed = reduce_time
-    exposed += dp["parameter_allgather"] / dp_bw
+    if layout.zero != 3:
+        exposed += dp["parameter_allgather"] / dp_bw
     exposed += communication["pp"]["tied_embedding"] / pp_bw
     shard = max(s.params for s in stages)
     if layout.zero >= 1:

@@ -82,6 +82,8 @@ class Layout:
     checkpointing: str = "none"
     dtype: str = "bf16"
     schedule: str = "1f1b"
+    offload: bool = False
+    """ZeRO-Offload: optimizer states, fp32 masters and gradient accumulator in host memory."""
 
     @property
     def gpus(self) -> int:
@@ -117,9 +119,10 @@ def check_layout(spec: ModelSpec | None, layout: Layout, gpus: int, gpus_per_nod
         value = getattr(layout, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{key} must be an integer >= 1; got {value!r}")
-    if layout.zero not in (0, 1, 2):
-        raise PlanError(f"zero (the ZeRO stage) must be 0, 1 or 2; got {layout.zero!r} "
-                        "(ZeRO-3 is not implemented by tachyon)")
+    if layout.zero not in (0, 1, 2, 3):
+        raise PlanError(f"zero (the ZeRO stage) must be 0, 1, 2 or 3; got {layout.zero!r}")
+    if layout.offload and layout.zero == 0:
+        raise PlanError("offload (ZeRO-Offload of the optimizer) needs ZeRO stage 1, 2 or 3")
     if layout.dtype not in DTYPES:
         raise PlanError(f"dtype must be one of {DTYPES}; got {layout.dtype!r}")
     if layout.checkpointing not in CHECKPOINTING:
@@ -131,6 +134,9 @@ def check_layout(spec: ModelSpec | None, layout: Layout, gpus: int, gpus_per_nod
                         f"{gpus} GPUs; divisors of {gpus}: {_divisors(gpus)}")
     if layout.gpus != gpus:
         raise PlanError(f"tp * pp * dp = {layout.gpus} but there are {gpus} GPUs")
+    if layout.zero == 3 and layout.pp > 1:
+        raise PlanError("ZeRO stage 3 does not combine with pipeline parallelism (the engine refuses it, as "
+                        "DeepSpeed does); use zero 0 or 1 with pp > 1")
     if layout.zero == 2 and layout.pp > 1:
         raise PlanError("ZeRO stage 2 does not combine with pipeline parallelism (gradients are reduced "
                         "per micro-batch while the pipeline accumulates them); use zero 0 or 1 with pp > 1")

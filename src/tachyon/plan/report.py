@@ -11,7 +11,8 @@ _MEMORY_LABELS = {
     "parameters": "parameters", "gradients": "gradients", "master_weights": "fp32 master weights",
     "optimizer_states": "optimizer states", "activations": "activations", "logits": "logits (around the loss)",
     "largest_gradient": "largest gradient (transient)", "bucket_buffers": "ZeRO bucket buffers",
-    "step_master_gradients": "fp32 gradients (at the step)",
+    "step_master_gradients": "fp32 gradients (at the step)", "gathered_layers": "ZeRO-3 gathered layers",
+    "offloaded": "in host memory (offload)",
 }
 
 
@@ -33,7 +34,8 @@ def _layout_line(plan: Estimate) -> str:
     batch = (f"micro-batch {lay.micro_batch} x {lay.grad_accum} accumulation x dp {lay.dp} = global batch "
              f"{lay.global_batch}")
     sched = f", {lay.schedule}" if lay.pp > 1 else ""
-    return (f"tp {lay.tp}, pp {lay.pp}, dp {lay.dp}, ZeRO-{lay.zero}, {batch}, checkpointing {lay.checkpointing}, "
+    offload = " + offload" if lay.offload else ""
+    return (f"tp {lay.tp}, pp {lay.pp}, dp {lay.dp}, ZeRO-{lay.zero}{offload}, {batch}, checkpointing {lay.checkpointing}, "
             f"{lay.dtype}{sched}")
 
 

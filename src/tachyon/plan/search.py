@@ -37,6 +37,7 @@ class Choices:
     checkpointing: str | None = None
     dtype: str = "bf16"
     schedule: str = "1f1b"
+    offload: bool = False
 
     @property
     def open(self) -> list[str]:
@@ -61,7 +62,8 @@ def fixed_layout(spec: ModelSpec | None, gpus: int, gpu: GPUSpec, choices: Choic
         raise PlanError(f"global batch {choices.global_batch} is not a multiple of micro_batch * dp = "
                         f"{choices.micro_batch} * {dp} = {choices.micro_batch * dp}")
     layout = Layout(tp=tp, pp=pp, dp=dp, zero=choices.zero, micro_batch=choices.micro_batch, grad_accum=gas,
-                    checkpointing=choices.checkpointing, dtype=choices.dtype, schedule=choices.schedule)
+                    checkpointing=choices.checkpointing, dtype=choices.dtype, schedule=choices.schedule,
+                    offload=choices.offload)
     check_layout(spec, layout, gpus, gpu.gpus_per_node)
     return layout
 
@@ -87,7 +89,9 @@ def candidate_layouts(spec: ModelSpec | None, gpus: int, gpu: GPUSpec, choices: 
             if gpus % (tp * pp):
                 continue
             dp = gpus // (tp * pp)
-            zeros = [choices.zero] if choices.zero is not None else [z for z in (0, 1, 2) if pp == 1 or z < 2]
+            # searched: stages 0-2 (1-2 with offload); stage 3 when asked for
+            searched = (1, 2) if choices.offload else (0, 1, 2)
+            zeros = [choices.zero] if choices.zero is not None else [z for z in searched if pp == 1 or z < 2]
             mbs = [choices.micro_batch] if choices.micro_batch is not None else list(MICRO_BATCHES)
             if choices.checkpointing is not None:
                 ckpts = [choices.checkpointing]
@@ -102,7 +106,8 @@ def candidate_layouts(spec: ModelSpec | None, gpus: int, gpu: GPUSpec, choices: 
                         continue
                     for ckpt in ckpts:
                         layout = Layout(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mb, grad_accum=gas,
-                                        checkpointing=ckpt, dtype=choices.dtype, schedule=choices.schedule)
+                                        checkpointing=ckpt, dtype=choices.dtype, schedule=choices.schedule,
+                                        offload=choices.offload)
                         try:
                             check_layout(spec, layout, gpus, gpu.gpus_per_node)
                         except PlanError:
@@ -123,9 +128,10 @@ def check_choices(spec: ModelSpec | None, gpus: int, gpu: GPUSpec, choices: Choi
     if gpus % (tp * pp):
         divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
         raise PlanError(f"tp * pp = {tp} * {pp} = {tp * pp} must divide the {gpus} GPUs; divisors of {gpus}: {divisors}")
-    probe = Layout(tp=tp, pp=pp, dp=gpus // (tp * pp), zero=choices.zero if choices.zero is not None else 0,
+    zero = choices.zero if choices.zero is not None else (1 if choices.offload else 0)
+    probe = Layout(tp=tp, pp=pp, dp=gpus // (tp * pp), zero=zero,
                    micro_batch=choices.micro_batch or 1, checkpointing=choices.checkpointing or "none",
-                   dtype=choices.dtype, schedule=choices.schedule)
+                   dtype=choices.dtype, schedule=choices.schedule, offload=choices.offload)
     check_layout(spec, probe, gpus, gpu.gpus_per_node)
 
 

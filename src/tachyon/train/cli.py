@@ -9,6 +9,7 @@
     tachyon train --pld                         progressive layer drop on (--no-pld: off, whatever CONFIG says)
     tachyon train --model gpt --tp 2 --pp 2     the GPT split 2 ways within layers and 2 ways by layers
     tachyon train --model gpt --fp8 current     the GPT's TransformerLayer GEMMs in FP8 (delayed, current, block)
+    tachyon train --zero 3 --offload            ZeRO stage 3 (FSDP2), optimizer states and step on the CPU
 
 Launching: outside a torchrun environment with more than one process, the command re-executes
 itself as ``python -m torch.distributed.run --standalone --nproc-per-node N -m tachyon.train ...``
@@ -91,6 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model gpt: the TransformerLayers' GEMMs in FP8 under this recipe (delayed, current or "
                              "block scaling; tachyon.autocast around each forward) (default: as the config says; "
                              "off in the built-in jobs)")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, metavar="STAGE",
+                        help="ZeRO stage 0-3: sets the engine section's zero_optimization.stage; 3 shards the "
+                             "parameters too (FSDP2) (default: as the config says; 2 in the built-in jobs)")
+    parser.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
+                        help="ZeRO-Offload: sets zero_optimization.offload_optimizer to {device: cpu, pin_memory: "
+                             "true} (stage 1-3); --no-offload removes the offload sections (default: as the config "
+                             "says; off in the built-in jobs)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in the output dir (default: off, a new run)")
     parser.add_argument("--reschedule", action="store_true",
@@ -156,9 +164,11 @@ def launch_command(args: argparse.Namespace, nproc: int, output_dir: Path) -> li
         cmd += ["--steps", str(args.steps)]
     if getattr(args, "pld", None) is not None:
         cmd.append("--pld" if args.pld else "--no-pld")
-    for flag in ("tp", "pp", "fp8"):
+    for flag in ("tp", "pp", "fp8", "zero"):
         if getattr(args, flag, None) is not None:
             cmd += [f"--{flag}", str(getattr(args, flag))]
+    if getattr(args, "offload", None) is not None:
+        cmd.append("--offload" if args.offload else "--no-offload")
     for flag in ("resume", "reschedule", "no_progress", "quiet"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
@@ -183,8 +193,9 @@ def run(args: argparse.Namespace) -> int:
     source = args.config if args.config is not None else default_config_path(args.model or "bert")
     try:
         config = load_train_config(source, model=args.model, pld=getattr(args, "pld", None),
-                                   tp=getattr(args, "tp", None), pp=getattr(args, "pp", None), steps=args.steps,
-                                   fp8=getattr(args, "fp8", None))
+                                   tp=getattr(args, "tp", None), pp=getattr(args, "pp", None),
+                                   zero=getattr(args, "zero", None), offload=getattr(args, "offload", None),
+                                   steps=args.steps, fp8=getattr(args, "fp8", None))
         model_parallel = config.tensor_parallel_size * config.pipeline_stages
         nproc = None if _in_torchrun() else _process_count(args, config.nproc, model_parallel)
         if nproc is not None:  # check the engine section here, not in N processes after the launch

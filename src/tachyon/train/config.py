@@ -26,6 +26,14 @@ the stage count if it is lower (1F1B needs a micro-batch per stage), dividing th
 by as much when it divides, so each data-parallel rank still takes as many samples per step.
 The data-parallel size is then ``processes / (tp * pp)``.
 
+ZeRO is the engine's ``zero_optimization`` section; the command's ``--zero N`` and
+``--offload`` (``load_train_config(zero=, offload=)``) set its ``stage`` and its
+``offload_optimizer`` to ``{"device": "cpu", "pin_memory": true}`` (optimizer states, fp32
+masters and the step on the host; stage 1, 2 or 3), keeping the section's other keys;
+``--no-offload`` removes ``offload_optimizer`` and ``offload_param``. Stage 3 shards the
+parameters too (FSDP2, one unit per transformer layer); ``--pp`` above 1 with stage 3 is refused
+by the engine.
+
 Progressive layer drop is the engine's own section, as in DeepSpeed: ``"engine":
 {..., "progressive_layer_drop": {"enabled": true, "theta": 0.5, "gamma": 0.001}}``; the
 command's ``--pld`` / ``--no-pld`` (``load_train_config(pld=...)``) set its ``enabled`` and keep
@@ -231,12 +239,13 @@ def resolve_precision(precision: str, bf16_available: bool) -> str:
 
 def load_train_config(source: str | Path | dict[str, Any] | None = None, *, model: str | None = None,
                       pld: bool | None = None, tp: int | None = None, pp: int | None = None,
-                      **overrides: Any) -> TrainConfig:
+                      zero: int | None = None, offload: bool | None = None, **overrides: Any) -> TrainConfig:
     """A TrainConfig from a JSON path, a dict or None (the built-in job of ``model``, default
     "bert"), with ``model`` and ``overrides`` applied on top (keys of TrainConfig; None values are
     skipped). ``pld`` (None: as the config says) sets ``engine.progressive_layer_drop.enabled``;
     ``tp`` / ``pp`` (None: as the config says) set ``engine.tensor_parallel.tp_size`` and
-    ``engine.pipeline.stages`` (module docstring). Raises ConfigError naming the key."""
+    ``engine.pipeline.stages``; ``zero`` / ``offload`` set ``engine.zero_optimization.stage`` and
+    its ``offload_optimizer`` (module docstring). Raises ConfigError naming the key."""
     if model is not None and model not in BUILT_IN_JOBS:
         raise ConfigError(f"model must be one of {', '.join(BUILT_IN_JOBS)}; got {model!r}")
     if source is None:
@@ -261,6 +270,8 @@ def load_train_config(source: str | Path | dict[str, Any] | None = None, *, mode
         _set_pld(raw, pld)
     if tp is not None or pp is not None:
         _set_layout(raw, tp, pp)
+    if zero is not None or offload is not None:
+        _set_zero(raw, zero, offload)
     known = TrainConfig.model_fields
     problems = [unknown_key(str(key), "", known) for key in raw if key not in known]
     if problems:
@@ -317,4 +328,29 @@ def _set_layout(raw: dict[str, Any], tp: int | None, pp: int | None) -> None:
             if isinstance(micro, int) and not isinstance(micro, bool) and (micro * gas) % pp == 0:
                 engine["train_micro_batch_size_per_gpu"] = micro * gas // pp  # the same samples per rank and step
             engine["gradient_accumulation_steps"] = pp
+    raw["engine"] = engine
+
+
+def _set_zero(raw: dict[str, Any], stage: int | None, offload: bool | None) -> None:
+    """``--zero N`` / ``--offload``: ``engine.zero_optimization.stage`` and its
+    ``offload_optimizer`` (``{"device": "cpu", "pin_memory": true}``; ``--no-offload`` removes
+    both offload sections), keeping the section's other keys (module docstring)."""
+    if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+        raise ConfigError(f"--zero must be 0, 1, 2 or 3; got {stage!r}")
+    engine = _engine_section(raw)
+    zero = engine.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"`engine.zero_optimization` must be a JSON object; got {type(zero).__name__}")
+    zero = dict(zero)
+    if stage is not None:
+        zero["stage"] = stage
+    if offload:
+        if zero.get("stage", 0) not in (1, 2, 3):
+            raise ConfigError(f"--offload moves the optimizer to the CPU at ZeRO stage 1, 2 or 3; the job's stage is "
+                              f"{zero.get('stage', 0)} (add --zero 1, 2 or 3)")
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    elif offload is False:
+        zero.pop("offload_optimizer", None)
+        zero.pop("offload_param", None)
+    engine["zero_optimization"] = zero
     raw["engine"] = engine

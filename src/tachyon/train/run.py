@@ -198,6 +198,10 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
         model=model, model_parameters=model.parameters(), training_data=train_set, collate_fn=collate,
         config=engine_config,
     )
+    if engine.zero_optimization_stage() == 3:  # evaluation calls these, not forward: they gather too
+        for method in ("logits", "logits_at"):
+            if hasattr(model, method):
+                tachyon.zero.register_forward_method(model, method)
     rank, world = rank_and_world()
     dp, dp_rank = engine.data_parallel_world_size, engine.data_parallel_rank
     # per data-parallel copy: the TE-style layers' dropout and the layer-drop draws. The ranks of
@@ -355,7 +359,8 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
         run_evaluation(last_step)
     memory = memory_per_rank(engine, device)
     result = TrainResult(first_step, last_step, rows if rank == 0 else [], latest, baseline, checkpointer.saved)
-    whole = engine.module if engine.mesh is None else whole_model(engine, config, tokenizer.vocab_size, precision, pp)
+    split = engine.mesh is not None or engine.zero_optimization_stage() == 3  # no rank holds the whole model
+    whole = whole_model(engine, config, tokenizer.vocab_size, precision, pp) if split else engine.module
     result.notes = notes
     if rank == 0:
         _finish(config, engine, tokenizer, val_set, result, log, memory, precision, world, n_params,
@@ -402,8 +407,8 @@ def pipeline_model(config: TrainConfig, section: Any, gpt: torch.nn.Module, voca
 
 
 def whole_model(engine: Any, config: TrainConfig, vocab_size: int, precision: str, pp: int) -> torch.nn.Module | None:
-    """The trained model gathered whole on rank 0 (a GPT with every tensor-parallel shard and
-    pipeline stage), for the generated lines of summary.txt; None on the other ranks. Collective."""
+    """The trained model gathered whole on rank 0 (with every tensor-parallel shard, pipeline
+    stage or ZeRO stage-3 shard), for the generated lines of summary.txt; None on the other ranks. Collective."""
     from tachyon.engine.checkpoint.export import consolidated_state_dict
     from tachyon.parallel.pipeline.gpt import pipeline_state_dict_to_gpt
 

@@ -1,68 +1,55 @@
-"""``deepspeed.zero``: ZeRO-3's construction and gathering helpers, as they behave below stage 3.
+"""``deepspeed.zero``: ZeRO-3's construction and gathering helpers, over `tachyon.zero`.
 
-tachyon implements ZeRO stages 0-2, where every rank holds every parameter whole. DeepSpeed's
-``zero.Init`` and ``zero.GatheredParameters`` do nothing for such parameters (they act only on
-ZeRO-3-partitioned ones), so here:
-
-- ``Init(enabled=False, ...)`` is a no-op context (the usual ``enabled=stage == 3`` pattern);
-  ``Init(enabled=True)`` asks for ZeRO-3 partitioned construction and raises NotImplementedError.
-- ``GatheredParameters(params, modifier_rank=None, ...)`` is a no-op context: the parameters are
-  already whole on every rank (a change made on one rank stays on that rank, as in DeepSpeed
-  below stage 3).
-- ``register_external_parameter`` does nothing (it only matters for ZeRO-3).
+- ``Init(...)``: DeepSpeed's signature over `tachyon.zero.Init`: the model is built one unit at
+  a time and each rank keeps only its shard of every parameter; ``tachyon.initialize`` with
+  ``zero_optimization.stage: 3`` allocates just those shards. ``config_dict_or_path`` / ``config``
+  give the units (``zero_optimization.shard_module_classes``); ``mpu`` /
+  ``data_parallel_group`` the group the shards are for; ``module`` (an already built model) is
+  sharded at once; ``enabled=False`` does nothing (the usual ``enabled=stage == 3`` pattern).
+  ``remote_device="nvme"`` is refused (host memory only); ``dtype`` is accepted and not applied
+  here (the engine casts to the config's precision); ``pin_memory`` and
+  ``mem_efficient_linear`` have no counterpart and are ignored.
+- ``GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True)``: whole
+  parameters inside the block (`tachyon.zero.GatheredParameters`); parameters that are whole
+  anyway (stages 0-2) are left alone, so a change made on one rank stays on that rank, as in
+  DeepSpeed below stage 3.
+- ``register_external_parameter(module, parameter)``: `tachyon.zero.register_external_parameter`.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
+from tachyon import zero as _zero
 from tachyon.compat._names import module_getattr, unsupported
 
-_ZERO3 = ("ZeRO stage 3 is not implemented by tachyon (stages 0-2 are: zero_optimization.stage); "
-          "build the model normally")
+GatheredParameters = _zero.GatheredParameters
+register_external_parameter = _zero.register_external_parameter
 
 
-class Init(contextlib.ContextDecorator):
-    """DeepSpeed's ``zero.Init``: a no-op with ``enabled=False``; NotImplementedError otherwise."""
+class Init(_zero.Init):
+    """DeepSpeed's ``zero.Init`` (module docstring)."""
 
     def __init__(self, module: Any = None, data_parallel_group: Any = None, mem_efficient_linear: bool = True,
                  remote_device: Any = None, pin_memory: bool = False, config_dict_or_path: Any = None,
                  config: Any = None, enabled: bool = True, dtype: Any = None, mpu: Any = None, **kwargs: Any):
-        if enabled:
-            raise NotImplementedError(f"deepspeed.zero.Init(enabled=True): {_ZERO3}; pass enabled=False "
-                                      "(or drop the context) below stage 3")
-        del module, data_parallel_group, mem_efficient_linear, remote_device, pin_memory, config_dict_or_path
-        del config, dtype, mpu, kwargs
-
-    def __enter__(self) -> Init:
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        return False
-
-
-class GatheredParameters(contextlib.ContextDecorator):
-    """DeepSpeed's ``zero.GatheredParameters``: parameters are whole below ZeRO-3, so nothing to do."""
-
-    def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None, enabled: bool = True):
-        self.params, self.modifier_rank, self.enabled = params, modifier_rank, enabled
-        del fwd_module
-
-    def __enter__(self) -> GatheredParameters:
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        return False
+        del mem_efficient_linear, pin_memory, dtype, kwargs
+        if remote_device is not None and str(remote_device).lower() == "nvme":
+            raise ValueError('deepspeed.zero.Init(remote_device="nvme"): NVMe offload is not supported by tachyon; '
+                             'use remote_device="cpu" or None')
+        if data_parallel_group is None and mpu is not None:
+            data_parallel_group = mpu.get_data_parallel_group()
+        super().__init__(data_parallel_group=data_parallel_group, config=config_dict_or_path or config,
+                         enabled=enabled)
+        if enabled and module is not None:
+            with self:
+                pass
+            _zero.shard_parameters(module, self.rank, self.world, self.group)
 
 
-def register_external_parameter(module: Any, parameter: Any) -> None:
-    """Does nothing below ZeRO-3 (as in DeepSpeed)."""
-    del module, parameter
-
-
+_ZERO3 = "a DeepSpeed ZeRO-3 internal with no counterpart on FSDP2 (tachyon's stage 3)"
 _TABLE = {
-    "MiCS_Init": unsupported(_ZERO3),
+    "MiCS_Init": unsupported("MiCS is not implemented by tachyon"),
     "TiledLinear": unsupported(_ZERO3),
     "ZeroParamStatus": unsupported(_ZERO3),
 }

@@ -9,9 +9,9 @@ any state changes, loadable with any world size and ZeRO stage, exportable as on
 See docs/checkpoints.md for the layout on disk and the protocols.
 """
 
-from .export import consolidated_state_dict, export_model_state_dict, save_16bit_model
+from .export import consolidated_state_dict, export_checkpoint, export_model_state_dict, save_16bit_model
 from .load import load_checkpoint
 from .manifest import CheckpointError
 from .save import save_checkpoint
 
-__all__ = ["CheckpointError", "consolidated_state_dict", "export_model_state_dict", "load_checkpoint", "save_16bit_model", "save_checkpoint"]
+__all__ = ["CheckpointError", "consolidated_state_dict", "export_checkpoint", "export_model_state_dict", "load_checkpoint", "save_16bit_model", "save_checkpoint"]

@@ -5,6 +5,12 @@
 
     save_16bit_model(engine, "out/")                        # out/model.safetensors (+ config.json)
     BertForMaskedLM.from_pretrained("out/")
+
+    export_checkpoint("runs/ckpt", "out/", dtype=torch.bfloat16)   # `tachyon export`: no engine, no GPU
+
+At ZeRO stage 3 the live model's parameters are shards: `consolidated_state_dict` gathers one
+tensor at a time (an all-gather over the data-parallel ranks) and keeps it only on rank 0's CPU,
+so no rank's device ever holds more than one whole parameter.
 """
 
 from __future__ import annotations
@@ -86,11 +92,55 @@ def _unique_views(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _stage3_state_dict(engine) -> dict[str, Any] | None:
+    """`consolidated_state_dict` at ZeRO stage 3 (module docstring): every sharded tensor
+    all-gathered over the data-parallel ranks in ``state_dict`` order (tied weights once), cast to
+    the model dtype, gathered over tensor parallelism on data-parallel rank 0, kept on rank 0's CPU."""
+    from .state import is_sharded, shard_spec_of
+
+    mesh = engine.mesh
+    tp = None
+    if mesh is not None and mesh.size("tp") > 1:
+        from tachyon.parallel.tensor import tp_group
+
+        tp = tp_group(mesh)
+    keep = engine.world_comm.rank == 0
+    dtype = engine.precision.model_dtype
+    done: dict[int, torch.Tensor] = {}
+    out: dict[str, Any] = {}
+    for key, value in engine.module.state_dict().items():
+        if not torch.is_tensor(value):
+            out[key] = value
+            continue
+        if id(value) in done:
+            if keep:
+                out[key] = done[id(value)]
+            continue
+        full = value
+        if is_sharded(value):
+            full = value.full_tensor()  # collective over the data-parallel ranks
+            if full.is_floating_point():
+                full = full.to(dtype)
+        if tp is not None and shard_spec_of(value) is not None and engine.comm.rank == 0:
+            from .state import _gather_full
+
+            full = _gather_full(engine, full)
+        if keep:
+            out[key] = done[id(value)] = full.detach().to("cpu")
+        del full
+    return out if keep else None
+
+
 def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
     """The whole model's ``state_dict()`` (model dtype, full shapes, the module's names; a
     PipelineModule's layout-free ones) on global rank 0, None on the other ranks. Collective:
     every rank calls it; tensor-parallel shards are all-gathered over tp and the pipeline stages
     gathered to rank 0 (the data-parallel copies are equal: the first one's is used)."""
+    if engine.zero.stage == 3:
+        from .state import settle_sharded
+
+        settle_sharded(engine)
+        return _stage3_state_dict(engine)
     mesh = engine.mesh
     if mesh is None:
         return engine.module.state_dict() if engine.world_comm.rank == 0 else None
@@ -142,6 +192,57 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
     from .meta import agree
 
     agree(comm, error)
+    return path
+
+
+def model_config_of(module: torch.nn.Module) -> dict[str, Any] | None:
+    """An HF model's ``config.to_dict()`` (what ``config.json`` holds), stored in a checkpoint's
+    meta.json so `export_checkpoint` can write an HF folder without the model; None otherwise."""
+    config = getattr(module, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if not (callable(to_dict) and hasattr(config, "save_pretrained")):
+        return None
+    try:
+        import json
+
+        value = to_dict()
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return None
+    return value
+
+
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_checkpoint(checkpoint_dir, out_dir, *, tag: Any = None, dtype: str = "fp32",
+                      save_filename: str = "model.safetensors") -> str:
+    """DeepSpeed's ``zero_to_fp32`` job, for any tachyon checkpoint (any ZeRO stage, world size
+    or (dp, pp, tp) layout), in one process on the CPU: the consolidated weights
+    (`export_model_state_dict`, cast to ``dtype``: "fp32", "bf16" or "fp16"; integer tensors stay
+    as they are) written to ``out_dir/save_filename`` (safetensors with transformers' metadata,
+    tied weights once; other names with torch.save), plus ``config.json`` when the checkpoint
+    was saved from an HF model, so ``from_pretrained(out_dir)`` loads the folder. The file is
+    written under a temporary name and renamed. Returns its path."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(EXPORT_DTYPES)}")
+    if not isinstance(save_filename, str) or not save_filename or "/" in save_filename:
+        raise ValueError(f"save_filename={save_filename!r} should be a file name such as 'model.safetensors'")
+    ckpt = resolve_checkpoint(checkpoint_dir, tag)
+    state = export_model_state_dict(ckpt)
+    meta = parse_meta((ckpt / mf.META).read_text(), ckpt / mf.META)
+    cast = EXPORT_DTYPES[dtype]
+    state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
+    out_dir = Path(out_dir)
+    path = _write_state(state, None, out_dir, save_filename)
+    config = meta.get("model_config")
+    if isinstance(config, dict):
+        import json
+
+        config = dict(config, torch_dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype])
+        tmp = out_dir / f"{mf.TMP_PREFIX}config.json.{secrets.token_hex(4)}"
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, out_dir / "config.json")
     return path
 
 

@@ -84,6 +84,9 @@ def load_checkpoint(
         raise ValueError("load_checkpoint(custom_load_fn=...) is not supported: tachyon reads a checkpoint's pieces "
                          "through torch.distributed.checkpoint, never as one module state_dict; load "
                          "tachyon.engine.checkpoint.export_model_state_dict(load_dir) into the module yourself instead")
+    from .state import settle_sharded
+
+    settle_sharded(engine)
     comm = engine.world_comm
     rank, world = comm.rank, comm.world_size
     check_storage_config(engine)

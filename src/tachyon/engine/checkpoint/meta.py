@@ -65,13 +65,20 @@ def _merge(tables: list[dict[str, Any]]) -> tuple[list[dict], dict[str, dict]]:
     return list(params.values()), keys
 
 
+def model_config_of(module: Any) -> dict[str, Any] | None:
+    from .export import model_config_of as of
+
+    return of(module)
+
+
 def build_meta(engine, tag: str, world_size: int, tables: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """meta.json's content for ``engine`` now; ``tables``: every rank's `local_tables` (default:
     this rank's only)."""
     optimizer = engine.optimizer
     groups = []
-    for g, master in enumerate(engine.zero.masters):
-        flat, other, values = flat_state_keys(optimizer, master)
+    for g in range(len(engine.zero.flat.regions)):
+        masters = engine.zero.group_masters(g)
+        flat, other, values = flat_state_keys(optimizer, masters[0]) if masters else ({}, {}, {})
         options = {}
         if optimizer is not None:
             for key, value in optimizer.param_groups[g].items():
@@ -114,6 +121,7 @@ def build_meta(engine, tag: str, world_size: int, tables: list[dict[str, Any]] |
         },
         "has_scheduler": engine.lr_scheduler is not None,
         "quantize_training": _jsonable(quantizer.state_dict()) if quantizer is not None else None,
+        "model_config": model_config_of(engine.module),
     }
 
 
@@ -220,8 +228,9 @@ def check_compatible(engine, meta: dict, *, optimizer: bool, module_only: bool, 
             f"{where} holds {meta['optimizer']['class']} state; this engine's optimizer is "
             f"{type(engine.optimizer).__name__} (pass load_optimizer_states=False to load only the weights)"
         )
-    if len(groups) != len(engine.zero.masters):
-        raise CheckpointError(f"{where} has {len(groups)} optimizer param groups; this engine has {len(engine.zero.masters)}")
+    if len(groups) != len(engine.zero.flat.regions):
+        raise CheckpointError(f"{where} has {len(groups)} optimizer param groups; this engine has "
+                              f"{len(engine.zero.flat.regions)}")
     for name, slot in zip(names, engine.zero.flat.slots):
         if name in saved and saved[name]["group"] != slot.group:
             raise CheckpointError(f"{where}: parameter {name!r} is in param group {saved[name]['group']} in the checkpoint, {slot.group} here")

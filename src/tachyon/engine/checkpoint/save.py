@@ -144,6 +144,9 @@ def save_checkpoint(engine, save_dir, tag: Any = None, client_state: Any = None,
     the message says). A model or optimizer state holding an inf or nan is refused before
     anything is written, unless ``checkpoint.allow_nonfinite`` is set.
     """
+    from .state import settle_sharded
+
+    settle_sharded(engine)
     comm = engine.world_comm
     rank, world = comm.rank, comm.world_size
     check_storage_config(engine)

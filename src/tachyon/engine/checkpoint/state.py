@@ -81,6 +81,30 @@ def full_shape(tensor: torch.Tensor) -> list[int]:
     return list(spec.full_shape if spec is not None else tensor.shape)
 
 
+def is_sharded(tensor: Any) -> bool:
+    """Whether ``tensor`` is an FSDP2-sharded (DTensor) parameter (ZeRO stage 3)."""
+    return hasattr(tensor, "_local_tensor") and hasattr(tensor, "device_mesh")
+
+
+def dtensor_piece(tensor: Any) -> tuple[Piece, torch.Tensor]:
+    """This rank's piece of a dim-0-sharded DTensor: its range of the flattened (local) tensor
+    and the flat local shard (ZeRO stage 3's frozen parameters)."""
+    from ..zero.fsdp import dim0_range
+
+    mesh = tensor.device_mesh
+    lo, hi = dim0_range(tuple(tensor.shape), mesh.get_local_rank(), mesh.size())
+    local = tensor._local_tensor.detach().reshape(-1)
+    return Piece(mesh.get_local_rank(), lo, hi, 0), local
+
+
+def settle_sharded(engine) -> None:
+    """At ZeRO stage 3, the module's parameters back to their shards (`Stage3.reshard`) before
+    they are named, saved, loaded or gathered."""
+    reshard = getattr(engine.zero, "reshard", None)
+    if reshard is not None:
+        reshard()
+
+
 def param_names(engine) -> list[str]:
     """The module's name of every trained parameter, in the flat layout's slot order."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
@@ -172,25 +196,34 @@ def save_state_dict(engine, optimizer_meta: list[dict], exclude_frozen: bool = F
         if not written_here(engine, name, slot.param):
             continue
         geo = geometry(engine, slot.param)
-        master = zero.masters[slot.group]
+        m = zero.master_index(slot)
+        master = zero.masters[m]
 
         def logical(source: torch.Tensor) -> Any:
             sources = [source.detach().narrow(0, p.master_offset, p.hi - p.lo) for p in mine[i]]
             return _logical(geo, mine[i], sources, source.dtype)
 
-        out[MASTER + name] = logical(masters[slot.group])
+        out[MASTER + name] = logical(masters[m])
         if optimizer is not None:
             for key in optimizer_meta[slot.group]["flat"]:
                 out[f"{OPTIM}{name}/{key}"] = logical(optimizer.state[master][key])
     if engine.world_comm.rank == 0:
-        for g, master in enumerate(zero.masters):
-            for key in optimizer_meta[g]["other"] if optimizer is not None else {}:
-                out[f"{OPTIM_GROUP}{g}/{key}"] = optimizer.state[master][key].detach()
+        for g in range(len(zero.flat.regions)):
+            masters_of_group = zero.group_masters(g)
+            for key in optimizer_meta[g]["other"] if optimizer is not None and masters_of_group else {}:
+                out[f"{OPTIM_GROUP}{g}/{key}"] = optimizer.state[masters_of_group[0]][key].detach()
+    state = engine.module.state_dict(keep_vars=True)
+    entries = model_state_keys(engine)
+    for key, entry in entries.items():  # stage 3's frozen parameters: every data-parallel rank writes its shard
+        if entry["source"] == "model" and is_sharded(state[key]) and not (exclude_frozen and entry.get("parameter")) \
+                and written_here(engine, key, state[key]):
+            piece, local = dtensor_piece(state[key])
+            out[MODEL + key] = _logical(geometry(engine, state[key]), [piece],
+                                        [local.narrow(0, 0, piece.hi - piece.lo)], local.dtype)
     if zero.rank == 0:  # frozen parameters and buffers: one data-parallel copy writes them
         tp = tp_of(engine.mesh)
-        state = engine.module.state_dict(keep_vars=True)
-        for key, entry in model_state_keys(engine).items():
-            if entry["source"] != "model" or (exclude_frozen and entry.get("parameter")):
+        for key, entry in entries.items():
+            if entry["source"] != "model" or (exclude_frozen and entry.get("parameter")) or is_sharded(state[key]):
                 continue
             value = state[key]
             if shard_spec_of(value) is not None and tp is not None:
@@ -221,7 +254,7 @@ def load_targets(engine, meta: dict, *, optimizer: bool, module_only: bool) -> L
     zero = engine.zero
     version = int(meta.get("version", 1))
     sharded = zero.world_size > 1 and zero.partitioned_masters
-    device = zero.flat.buffer.device
+    device = zero.device
     mine = pieces_of(engine, zero.rank, whole=not sharded)
     dcp_state: dict[str, Any] = {}
     masters, flat_states, other_states, model = {}, {}, {}, {}
@@ -231,9 +264,10 @@ def load_targets(engine, meta: dict, *, optimizer: bool, module_only: bool) -> L
         if name not in in_checkpoint:  # load_module_strict=False: the parameter keeps its value
             continue
         geo = geometry(engine, slot.param, version)
+        where = zero.masters[zero.master_index(slot)].device
 
         def target(dtype: torch.dtype) -> tuple[Any, list[torch.Tensor]]:
-            local = [torch.empty(p.hi - p.lo, dtype=dtype, device=device) for p in mine[i]]
+            local = [torch.empty(p.hi - p.lo, dtype=dtype, device=where) for p in mine[i]]
             return _logical(geo, mine[i], local, dtype), local
 
         dcp_state[MASTER + name], masters[name] = target(torch.float32)
@@ -246,6 +280,7 @@ def load_targets(engine, meta: dict, *, optimizer: bool, module_only: bool) -> L
                 t = torch.empty(spec["shape"], dtype=dtype_of(spec["dtype"]))
                 dcp_state[f"{OPTIM_GROUP}{g}/{key}"] = other_states[(g, key)] = t
     saved = meta["model_keys"]
+    state = engine.module.state_dict(keep_vars=True)
     for key, entry in model_state_keys(engine).items():
         if entry["source"] == "model":
             if is_extra_state(key):  # a module's own encoding: the saved shape (none in older checkpoints)
@@ -253,6 +288,12 @@ def load_targets(engine, meta: dict, *, optimizer: bool, module_only: bool) -> L
                 if entry is None or entry["source"] != "model":
                     continue
             elif key not in saved:  # a frozen parameter may have been left out
+                continue
+            elif is_sharded(state[key]):  # stage 3: this rank's shard only
+                piece, local = dtensor_piece(state[key])
+                t = torch.empty(piece.hi - piece.lo, dtype=dtype_of(entry["dtype"]), device=local.device)
+                dcp_state[MODEL + key] = _logical(geometry(engine, state[key], version), [piece], [t], t.dtype)
+                model[key] = t
                 continue
             t = torch.empty(entry["shape"], dtype=dtype_of(entry["dtype"]), device=device)
             dcp_state[MODEL + key] = model[key] = t
@@ -277,11 +318,15 @@ def commit(engine, meta: dict, targets: LoadTargets, *, optimizer: bool) -> None
     """Copy the loaded tensors into the engine (collective: all-gathers the new partitions)."""
     zero = engine.zero
     names = param_names(engine)
-    by_group: dict[int, list[int]] = {}
+    by_master: dict[int, list[int]] = {}
+    group_of: dict[int, int] = {}
     for i, slot in enumerate(zero.flat.slots):
-        by_group.setdefault(slot.group, []).append(i)
-    for g, master in enumerate(zero.masters):
-        slots = [i for i in by_group.get(g, []) if names[i] in targets.masters]  # those the checkpoint holds
+        m = zero.master_index(slot)
+        by_master.setdefault(m, []).append(i)
+        group_of[m] = slot.group
+    for m, master in enumerate(zero.masters):
+        g = group_of.get(m, m)  # stages 0-2: master m is param group m (possibly without parameters)
+        slots = [i for i in by_master.get(m, []) if names[i] in targets.masters]  # those the checkpoint holds
         pieces = [p for i in slots for p in targets.pieces[i]]
         loaded = [t for i in slots for t in targets.masters[names[i]]]
         master.copy_(_fill(master, pieces, loaded, base=master))
@@ -307,6 +352,9 @@ def commit(engine, meta: dict, targets: LoadTargets, *, optimizer: bool) -> None
             raise CheckpointError(f"the model did not take the saved extra states {result.unexpected_keys[:5]}")
     for key, tensor in targets.model.items():
         if key in extra:
+            continue
+        if is_sharded(current[key]):  # stage 3: the loaded piece is this rank's shard
+            current[key]._local_tensor.copy_(tensor.view_as(current[key]._local_tensor))
             continue
         spec = shard_spec_of(current[key])
         if spec is not None and tp is not None:

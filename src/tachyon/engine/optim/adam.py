@@ -11,6 +11,10 @@ launch for a whole flat partition), elsewhere the PyTorch reference. ``backend``
 State per parameter, laid out as torch.optim.AdamW's so checkpoints move between the two:
 ``step`` (a float32 CPU scalar tensor), ``exp_avg`` and ``exp_avg_sq`` (fp32, the param's shape).
 In fp32 the updates equal torch.optim.AdamW / torch.optim.Adam (foreach=False) to rounding.
+
+``host_step`` (set by ZeRO-Offload, `tachyon.engine.zero.offload`): the fp32 host tensors of a
+group are updated by torch's fused CPU Adam kernel (``torch._fused_adam(w)_``, one call per group;
+DeepSpeed's DeepSpeedCPUAdam role) instead of the multi-tensor reference.
 """
 
 from __future__ import annotations
@@ -22,9 +26,27 @@ from tachyon.engine.optim._state import advance_adam_state, check_adam_hyperpara
 from tachyon.kernels.adam import multi_tensor_adam
 
 
-def adam_group_step(state: dict, group: dict, *, adam_w_mode: bool, backend: str | None, owner: str) -> None:
+def _host_fused(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, group: dict,
+                adam_w_mode: bool) -> bool:
+    """torch's fused CPU Adam over fp32 host tensors (steps already advanced); False when it does
+    not apply (other dtypes, no bias correction, a torch without the kernel)."""
+    fused = getattr(torch, "_fused_adamw_" if adam_w_mode else "_fused_adam_", None)
+    if fused is None or not group["bias_correction"] or not all(
+            t.dtype == torch.float32 for t in (*params, *grads)):
+        return False
+    beta1, beta2 = group["betas"]
+    with torch.no_grad():
+        fused(params, grads, exp_avgs, exp_avg_sqs, [], [s.detach() for s in steps], amsgrad=False, lr=group["lr"],
+              beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+              grad_scale=None, found_inf=None)
+    return True
+
+
+def adam_group_step(state: dict, group: dict, *, adam_w_mode: bool, backend: str | None, owner: str,
+                    host_step: bool = False) -> None:
     """One fused Adam update of the parameters of ``group`` that have a gradient (one
-    multi-tensor launch per device); ``state``: the optimizer's per-parameter state."""
+    multi-tensor launch per device); ``state``: the optimizer's per-parameter state.
+    ``host_step``: CPU tensors go through torch's fused CPU Adam kernel."""
     params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
     for p in group["params"]:
         if p.grad is None:
@@ -40,7 +62,11 @@ def adam_group_step(state: dict, group: dict, *, adam_w_mode: bool, backend: str
     by_device: dict[torch.device, list[int]] = {}
     for i, p in enumerate(params):
         by_device.setdefault(p.device, []).append(i)
-    for idx in by_device.values():
+    for device, idx in by_device.items():
+        if host_step and device.type == "cpu" and _host_fused(
+                [params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
+                [exp_avg_sqs[i] for i in idx], [state[params[i]]["step"] for i in idx], group, adam_w_mode):
+            continue
         multi_tensor_adam(
             [params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
             [exp_avg_sqs[i] for i in idx], [steps[i] for i in idx],
@@ -62,6 +88,8 @@ class FusedAdam(torch.optim.Optimizer):
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"FusedAdam: backend={backend!r} is not a tachyon backend; allowed: {BACKENDS}")
         self.backend = backend
+        self.host_step = False
+        """Set by ZeRO-Offload: CPU tensors step through torch's fused CPU Adam (module docstring)."""
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         adam_w_mode=adam_w_mode, bias_correction=bias_correction)
         super().__init__(params, defaults)
@@ -74,7 +102,8 @@ class FusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            adam_group_step(self.state, group, adam_w_mode=group["adam_w_mode"], backend=self.backend, owner="FusedAdam")
+            adam_group_step(self.state, group, adam_w_mode=group["adam_w_mode"], backend=self.backend, owner="FusedAdam",
+                            host_step=self.host_step)
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -14,6 +14,7 @@ import torch
 from .buckets import Bucket, BucketScheduler, cut_buckets
 from .comm import DataParallelComm, Pending
 from .layout import FlatParameters, GroupRegion
+from .offload import OffloadPlan, host_empty, host_zeros, offloaded_bytes, pinned_bytes
 from .shards import Shards
 
 _OWNER: dict[int, weakref.ref] = {}
@@ -37,6 +38,8 @@ class ZeroStrategy:
         overlap_comm: keep bucket reductions in flight during backward (two bucket buffers).
         comm_dtype: dtype gradients are reduced in (None: the model dtype, DeepSpeed's default).
         gradient_predivide_factor, prescale_gradients: see `tachyon.engine.zero.stages`.
+        offload: ZeRO-Offload (`tachyon.engine.zero.offload`): masters, optimizer states and an
+            fp32 gradient accumulator on the host (stages 1 and 2).
     """
 
     stage: int = -1
@@ -56,12 +59,19 @@ class ZeroStrategy:
         comm_dtype: torch.dtype | None = None,
         gradient_predivide_factor: float = 1.0,
         prescale_gradients: bool = False,
+        offload: OffloadPlan | None = None,
     ):
         for name, value in (("reduce_bucket_size", reduce_bucket_size), ("allgather_bucket_size", allgather_bucket_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"zero_optimization.{name} should be a positive number of elements; got {value!r}")
         self.comm = comm
         self.world_size, self.rank = comm.world_size, comm.rank
+        self.offload = offload or OffloadPlan()
+        if self.offload.optimizer and not self.partitioned_masters:
+            raise ValueError("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (stage 0 keeps no partition "
+                             "to offload)")
+        if self.offload.optimizer:  # gradients accumulate in fp32 on the host (DeepSpeed's ZeRO-Offload)
+            grad_accum_dtype = torch.float32
         self.model_dtype, self.grad_accum_dtype = model_dtype, grad_accum_dtype
         self.comm_dtype = comm_dtype or model_dtype
         self.allgather_bucket_size = allgather_bucket_size
@@ -129,7 +139,7 @@ class ZeroStrategy:
         return self.shards.contiguous_start(region, self.rank)
 
     def _can_alias(self, region: GroupRegion) -> bool:
-        return self.model_dtype == torch.float32 and self._master_start(region) is not None
+        return self.model_dtype == torch.float32 and self._master_start(region) is not None and not self.offload.optimizer
 
     def _master_numel(self, region: GroupRegion) -> int:
         return region.part if self.partitioned_masters else region.numel
@@ -139,11 +149,26 @@ class ZeroStrategy:
         if self._master_alias[region.index]:
             master = self.flat.buffer.narrow(0, self._master_start(region), numel).detach()
         elif self.partitioned_masters:
-            master = torch.empty(numel, dtype=torch.float32, device=self.flat.buffer.device)
+            master = host_empty(numel, torch.float32, self.offload) if self.offload.optimizer else \
+                torch.empty(numel, dtype=torch.float32, device=self.flat.buffer.device)
             self.shards.flat_to_partition(self.flat.buffer, master, region, self.rank)
         else:
             master = self.flat.buffer.narrow(0, region.start, numel).detach().to(torch.float32, copy=True)
         return master.requires_grad_(True)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model buffer and the masters live."""
+        return self.flat.buffer.device
+
+    def master_index(self, slot) -> int:
+        """Index in ``masters`` of the master holding ``slot``'s elements (one master per param
+        group at stages 0-2; one per parameter at stage 3)."""
+        return slot.group
+
+    def group_masters(self, group: int) -> list[torch.Tensor]:
+        """The masters of optimizer param group ``group``."""
+        return [self.masters[group]]
 
     def optimizer_param_groups(self, *, with_segments: bool = True) -> list[dict]:
         """One group per region: ``params = [flat fp32 master]``, the original hyperparameters,
@@ -187,9 +212,13 @@ class ZeroStrategy:
         return out
 
     def norm_reducer(self, tensor: torch.Tensor) -> torch.Tensor:
-        """SUM all-reduce of a fp32 tensor over the ranks that share a parameter's pieces."""
+        """SUM all-reduce of a fp32 tensor over the ranks that share a parameter's pieces (a host
+        tensor, with offload, travels through the training device: NCCL reduces device memory)."""
         if self.partitioned_masters:
-            self.comm.sum_(tensor)
+            if tensor.device != self.device:
+                tensor.copy_(self.comm.sum_(tensor.to(self.device)))
+            else:
+                self.comm.sum_(tensor)
         return tensor
 
     # ------------------------------------------------------------------ backward
@@ -256,9 +285,18 @@ class ZeroStrategy:
     def accumulator(self) -> torch.Tensor:
         """The gradient accumulator (``grad_accum_dtype``), allocated (zeros) on first use."""
         if self._accumulator is None:
-            self._accumulator = torch.zeros(self._accumulator_numel(), dtype=self.grad_accum_dtype,
-                                            device=self.flat.buffer.device)
+            if self.offload.optimizer:
+                self._accumulator = host_zeros(self._accumulator_numel(), self.grad_accum_dtype, self.offload)
+            else:
+                self._accumulator = torch.zeros(self._accumulator_numel(), dtype=self.grad_accum_dtype,
+                                                device=self.flat.buffer.device)
         return self._accumulator
+
+    def _accumulate(self, start: int, chunk: torch.Tensor) -> None:
+        """Add a reduced gradient ``chunk`` into the accumulator at ``start`` (moved to the host
+        first with offload: each bucket's chunk as soon as its reduction completes)."""
+        piece = self.accumulator().narrow(0, start, chunk.numel())
+        piece.add_(chunk if chunk.device == piece.device else chunk.to(piece.device, dtype=piece.dtype))
 
     # ------------------------------------------------------------------ step
     def master_grads(self) -> list[torch.Tensor]:
@@ -284,6 +322,7 @@ class ZeroStrategy:
         pieces = [g.narrow(0, at, n) for g, ranges in zip(grads, counted) for at, n in ranges]
         squares = [torch.linalg.vector_norm(p, dtype=torch.float32).square() for p in pieces]
         total = torch.stack(squares).sum().reshape(1) if squares else torch.zeros(1, device=device)
+        total = total.to(device)  # host pieces with offload: reduced on the training device
         self.norm_reducer(total)
         if self._model_parallel_sum is not None:
             self._model_parallel_sum(total)
@@ -379,4 +418,10 @@ class ZeroStrategy:
         out = {"parameters": params, "gradients": grads, "master_weights": masters, "optimizer_states": states}
         out["model_states"] = sum(out.values())
         out["buckets"] = nbytes(self._bucket_buffers())
+        if self.offload.any:  # bytes per placement: the offloaded states, and how many of them are pinned
+            host = [*self.masters, self._accumulator, *(m.grad for m in self.masters)]
+            if optimizer is not None:
+                host += [v for m in self.masters for v in optimizer.state.get(m, {}).values() if torch.is_tensor(v)]
+            out["offloaded"] = offloaded_bytes(host)
+            out["pinned"] = pinned_bytes(host)
         return out

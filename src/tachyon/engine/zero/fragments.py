@@ -59,7 +59,7 @@ def _gather(strategy: ZeroStrategy, slot, flat: torch.Tensor, like: torch.Tensor
     if not strategy.partitioned_masters:
         (lo, hi, at), = _pieces(strategy, slot) or [(0, 0, 0)]
         return flat.narrow(0, at, hi - lo).view_as(like)
-    out = torch.zeros(slot.numel, dtype=torch.float32, device=flat.device)
+    out = torch.zeros(slot.numel, dtype=torch.float32, device=strategy.device)  # a collective: on the training device
     for lo, hi, at in _pieces(strategy, slot):
         out.narrow(0, lo, hi - lo).copy_(flat.narrow(0, at, hi - lo))
     if strategy.world_size > 1:

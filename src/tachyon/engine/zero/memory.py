@@ -9,6 +9,12 @@ backward (the point where a step holds the most model state):
     stage 1:  p*Psi + g*Psi/N + (4 + s)*Psi/N   (gas > 1, g == p: p*Psi of param.grad instead of
                                                  g*Psi/N between micro-steps, ZeRO's stage 1)
     stage 2:  p*Psi + g*Psi/N + (4 + s)*Psi/N
+    stage 3:  4*Psi/N + 4*Psi/N + s*Psi/N        (fp32 shards = the masters, fp32 gradient shards:
+                                                 the ZeRO paper's 16*Psi/N with Adam)
+
+With ZeRO-Offload of the optimizer (stages 1-3) the fp32 masters, an fp32 gradient accumulator
+and the optimizer states, (8 + s)*Psi/N, live in host memory (``offloaded``); the device keeps
+the model-dtype weights: p*Psi at stages 1/2, its p*Psi/N shard at stage 3.
 
 fp16 + Adam (g = 2) gives 16*Psi, 2*Psi + 14*Psi/N (ZeRO's 4*Psi + 12*Psi/N with gradient
 accumulation) and 2*Psi + 14*Psi/N. bf16 accumulates in bf16 by default (DeepSpeed's default):
@@ -37,17 +43,33 @@ def model_state_bytes(
     fp32_master: bool = True,
     optimizer_state_bytes: int = 8,
     gradient_accumulation_steps: int = 1,
+    offload: bool = False,
 ) -> dict[str, float]:
     """Analytic bytes per rank after the boundary backward: parameters, gradients,
-    master_weights, optimizer_states and their sum model_states (see the module docstring)."""
-    if stage not in (0, 1, 2):
-        raise ValueError(f"stage must be 0, 1 or 2; got {stage!r}")
+    master_weights, optimizer_states and their sum model_states (see the module docstring);
+    with ``offload`` (ZeRO-Offload of the optimizer, stages 1-3) also ``offloaded``, the part in
+    host memory."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3; got {stage!r}")
+    if offload and stage == 0:
+        raise ValueError("offload needs ZeRO stage 1, 2 or 3")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size!r}")
     if gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1; got {gradient_accumulation_steps!r}")
     psi, n = float(num_params), float(world_size)
     shard = psi if stage == 0 else psi / n
+    if offload:  # host: fp32 masters, the fp32 gradient accumulator, the optimizer states
+        out = {"parameters": param_bytes * (shard if stage == 3 else psi), "gradients": 4 * shard,
+               "master_weights": 4 * shard, "optimizer_states": optimizer_state_bytes * shard}
+        out["model_states"] = sum(out.values())
+        out["offloaded"] = (8 + optimizer_state_bytes) * shard
+        return out
+    if stage == 3:  # the fp32 shards are the masters; fp32 gradient shards
+        out = {"parameters": 4 * shard, "gradients": 4 * shard, "master_weights": 0.0,
+               "optimizer_states": optimizer_state_bytes * shard}
+        out["model_states"] = sum(out.values())
+        return out
     gradients = grad_accum_bytes * shard
     if stage == 1 and gradient_accumulation_steps > 1 and grad_accum_bytes <= param_bytes:
         gradients = max(gradients, param_bytes * psi)  # param.grad between the micro-steps
@@ -91,9 +113,10 @@ def live_tensor_storages(device_type: str | None = None, *, collect: bool = True
                 continue
             try:
                 storage = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
-                continue
-            if storage.nbytes() and storage.data_ptr():
-                key = (t.device.type, storage.data_ptr())
+                address = storage.data_ptr() if storage.nbytes() else 0
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage, or a
+                continue  # storage freed under its Python object (FSDP2's gathered parameters)
+            if address:
+                key = (t.device.type, address)
                 sizes[key] = max(sizes.get(key, 0), storage.nbytes())
     return sizes

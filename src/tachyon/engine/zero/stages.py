@@ -288,7 +288,7 @@ class _PartitionedGradients(ZeroStrategy):
         def then() -> None:
             if self.post_divide != 1:
                 out.div_(self.post_divide)
-            self.accumulator().narrow(0, start, c).add_(out)
+            self._accumulate(start, out)
 
         pending = [self.comm.reduce_scatter(out, buf, async_op=True, then=then)]
         self._buffer_users[which] = pending
