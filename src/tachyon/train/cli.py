@@ -199,10 +199,10 @@ def run(args: argparse.Namespace) -> int:
         model_parallel = config.tensor_parallel_size * config.pipeline_stages
         nproc = None if _in_torchrun() else _process_count(args, config.nproc, model_parallel)
         if nproc is not None:  # check the engine section here, not in N processes after the launch
-            import tachyon
             from tachyon.config import load_config
+            from tachyon.train.helpers import native_bf16
 
-            precision = config.training_precision(tachyon.capabilities()["bf16"].available)
+            precision = config.training_precision(native_bf16())
             load_config(config.engine_config(precision), world_size=nproc)
     except ConfigError as error:
         print(f"tachyon train: error: {error}", file=sys.stderr)

@@ -10,7 +10,7 @@
       "eval_interval": 50,              validation loss every K steps (and at the end)
       "output_dir": null,               null: runs/<model>-<timestamp>
       "nproc": 2,                       processes on a CPU machine (a GPU machine uses all GPUs)
-      "precision": "auto",              "auto": bf16 where tachyon.capabilities()["bf16"] says so
+      "precision": "auto",              "auto": bf16 where the machine computes it natively (helpers.native_bf16)
       "engine": {"train_micro_batch_size_per_gpu": 64, "zero_optimization": {"stage": 2}, ...}
     }
 
@@ -231,7 +231,8 @@ class TrainConfig(Section):
 
 
 def resolve_precision(precision: str, bf16_available: bool) -> str:
-    """"auto" -> "bf16" when bf16 is available here, else "fp32"; anything else unchanged."""
+    """"auto" -> "bf16" when this machine computes bf16 natively (a GPU with bf16, a CPU with
+    oneDNN's bf16 kernels: ``helpers.native_bf16``), else "fp32"; anything else unchanged."""
     if precision == "auto":
         return "bf16" if bf16_available else "fp32"
     return precision

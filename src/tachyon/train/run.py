@@ -55,7 +55,7 @@ from tachyon.train.evaluate import (
 )
 from tachyon.train.helpers import (
     Checkpointer, epoch_loader, mean_over_ranks, memory_per_rank, or_nan, rank_and_world, rank_seed,
-    reseed_kernel_dropout, set_threads,
+    native_bf16, reseed_kernel_dropout, set_threads,
 )
 from tachyon.train.models import GPT, BertMLM, count_parameters
 from tachyon.train.plot import plot_training
@@ -176,7 +176,7 @@ def train(config: TrainConfig, output_dir: str | Path, *, resume: bool = False, 
     started = time.perf_counter()
     rank, world = rank_and_world()
     set_threads(config.threads_per_process, world)
-    precision = config.training_precision(tachyon.capabilities()["bf16"].available)
+    precision = config.training_precision(native_bf16())
     engine_config = default_preemption(config.engine_config(precision), output_dir)
     # checked (and the micro-batch resolved) before any work: a bad engine section fails fast
     checked = load_config(engine_config, world)
