@@ -278,6 +278,18 @@ def test_module_state_dict_and_getters_of_absent_features_answer_off():
     assert profiled.flops_profiler is profiled.flops_profiler
 
 
+def test_offload_getters_read_the_config_including_deepspeeds_older_spelling():
+    plain = make_engine(zero_optimization={"stage": 1})
+    assert plain.zero_offload_optimizer() is None and plain.zero_offload_param() is None
+    assert not plain.zero_optimization_partition_weights()
+    engine = make_engine(zero_optimization={"stage": 1, "cpu_offload": True})
+    assert engine.zero_cpu_offload() is True and engine.zero_use_cpu_optimizer() is True
+    assert engine.zero_offload_optimizer().device == "cpu" and engine.zero_offload_param() is None
+    micro_step(engine)
+    micro_step(engine, seed=1)
+    assert engine.global_steps == 1
+
+
 def test_cifar_style_script_lines_run(tmp_path):
     """The first lines a DeepSpeedExamples CIFAR script runs against the engine."""
     config = tmp_path / "ds.json"

@@ -419,7 +419,7 @@ def test_unsupported_features_switched_off_are_accepted_and_reported(section, va
         (cfg(fp16={"enabled": True, "auto_cast": True}), "`fp16.auto_cast: true` is a DeepSpeed feature"),
         (cfg(checkpoint={"load_universal": True}), "`checkpoint.load_universal: true` is a DeepSpeed feature"),
         (cfg(bf16={"enabled": True, "bf16_master_weights_and_grads": True}), "`bf16.bf16_master_weights_and_grads: true`"),
-        (cfg(zero_optimization={"cpu_offload": True}), "`zero_optimization.cpu_offload: true`"),
+        (cfg(zero_optimization={"zero_quantized_weights": True}), "`zero_optimization.zero_quantized_weights: true`"),
     ],
 )  # fmt: skip
 def test_unsupported_values(config, message):

@@ -10,6 +10,7 @@ import pytest
 
 from tachyon.config import ACCEPTED_IGNORED_KEYS, UNSUPPORTED_KEYS, ConfigError, TachyonConfig, load_config
 from tachyon.config.keys import _lookup_unsupported, ignored_reason, walk
+from tachyon.config.config import _deprecated_offload_keys
 
 DEEPSPEED_KEYS = """
 train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps gradient_clipping steps_per_print
@@ -75,12 +76,29 @@ def _nested(path: str, value):
 @pytest.mark.parametrize("path", DEEPSPEED_KEYS)
 def test_every_deepspeed_key_is_handled(path):
     problems, ignored = [], {}
-    walk(_nested(path, None), TachyonConfig, "", ignored, problems)
+    raw = _deprecated_offload_keys(_nested(path, None), problems)  # parse_config reads these first
+    walk(raw, TachyonConfig, "", ignored, problems)
     assert not any("unknown key" in p for p in problems), problems
     for problem in problems:  # a refusal names the DeepSpeed feature
         assert "does not support yet" in problem or "ZeRO stage 3" in problem, problem
     if path in ignored:  # accepted with no effect: a reason, or a refused feature's off value
         assert ignored_reason(path) or _lookup_unsupported(path), path
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_deprecated_offload_spellings_mean_what_deepspeed_reads(pin):
+    config = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "cpu_offload": True, "cpu_offload_param": True, "cpu_offload_use_pin_memory": pin}})
+    zero = config.zero_optimization
+    assert zero.offload_optimizer.device == zero.offload_param.device == "cpu"
+    assert zero.offload_optimizer.pin_memory is zero.offload_param.pin_memory is pin
+    off = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": False}})
+    assert not off.zero_optimization.offloads_optimizer
+    with pytest.raises(ConfigError, match="older spelling of `offload_optimizer`"):
+        load_config({"train_batch_size": 8, "zero_optimization": {
+            "stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(ConfigError, match="cpu_offload` must be true or false"):
+        load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": "yes"}})
 
 
 def test_every_ignored_key_says_why_and_no_key_is_both_refused_and_ignored():

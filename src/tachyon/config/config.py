@@ -297,6 +297,40 @@ def _data_parallel_size(config: TachyonConfig, world_size: int) -> int:
     return world_size // (stages * tp)
 
 
+_DEPRECATED_OFFLOAD = (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param"))
+
+
+def _deprecated_offload_keys(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """DeepSpeed's older ZeRO-Offload spellings, read as DeepSpeed reads them: ``cpu_offload: true``
+    is ``offload_optimizer: {"device": "cpu"}``, ``cpu_offload_param: true`` is ``offload_param:
+    {"device": "cpu"}``, ``cpu_offload_use_pin_memory`` their ``pin_memory``; false and null
+    values are dropped. Given beside the new spelling, the config is refused (which one was meant is unclear)."""
+    zero = raw.get("zero_optimization")
+    if not isinstance(zero, dict) or not any(old in zero for old, _ in _DEPRECATED_OFFLOAD) \
+            and "cpu_offload_use_pin_memory" not in zero:
+        return raw
+    zero = dict(zero)
+    pin = zero.pop("cpu_offload_use_pin_memory", False)
+    pin = False if pin is None else pin
+    if not isinstance(pin, bool):
+        problems.append(f"`zero_optimization.cpu_offload_use_pin_memory` must be true or false; got {pin!r}")
+        pin = False
+    for old, new in _DEPRECATED_OFFLOAD:
+        if old not in zero:
+            continue
+        value = zero.pop(old)
+        if value is None:  # DeepSpeed's default: off
+            continue
+        if not isinstance(value, bool):
+            problems.append(f"`zero_optimization.{old}` must be true or false; got {value!r}")
+        elif value and new in zero:
+            problems.append(f"`zero_optimization.{old}: true` (the older spelling of `{new}`) beside `{new}`; "
+                            f"keep `{new}` only")
+        elif value:
+            zero[new] = {"device": "cpu", "pin_memory": pin}
+    return {**raw, "zero_optimization": zero}
+
+
 def parse_config(config: Any) -> TachyonConfig:
     """Validate a DeepSpeed-style config without resolving its batch sizes (they stay as given):
     every key, type and cross-section rule of `load_config`, nothing that needs the number of
@@ -313,6 +347,7 @@ def parse_config(config: Any) -> TachyonConfig:
         else:
             raw = {("bf16" if k == "bfloat16" else k): v for k, v in raw.items()}
 
+    raw = _deprecated_offload_keys(raw, problems)
     cleaned = walk(raw, TachyonConfig, "", ignored, problems)
     for section in ("optimizer", "scheduler"):
         if isinstance(cleaned.get(section), dict):

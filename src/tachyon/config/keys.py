@@ -64,12 +64,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "bf16.bf16_master_weights_and_grads": "bf16 master weights and gradients",
     "bf16.bf16_optimizer_states": "bf16 optimizer states",
     # ZeRO
-    "zero_optimization.cpu_offload": "the deprecated spelling of ZeRO-Offload (write offload_optimizer: "
-                                     '{"device": "cpu"})',
-    "zero_optimization.cpu_offload_param": "the deprecated spelling of parameter offload (write offload_param: "
-                                           '{"device": "cpu"})',
-    "zero_optimization.cpu_offload_use_pin_memory": "the deprecated spelling of offload pinning (write "
-                                                    "offload_optimizer.pin_memory)",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
     "zero_optimization.zero_quantized_weights": "ZeRO++ quantized weights",
     "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantized weights",
@@ -180,8 +174,7 @@ OFF_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "sparse_gradients", "disable_allgather", "graph_harvesting",
         "use_data_before_expert_parallelism", "fp16.fp16_master_weights_and_grads",
         "bf16.check_overflow", "bf16.bf16_master_weights_and_grads",
-        "bf16.bf16_optimizer_states", "zero_optimization.cpu_offload",
-        "zero_optimization.cpu_offload_param", "zero_optimization.cpu_offload_use_pin_memory",
+        "bf16.bf16_optimizer_states",
         "zero_optimization.zero_quantized_weights",
         "zero_optimization.zero_quantized_nontrainable_weights",
         "zero_optimization.zero_quantized_gradients",

@@ -335,6 +335,10 @@ class DeepSpeedEngineSurface:
     def zero_optimization_partition_gradients(self) -> bool:
         return self.zero.stage >= 2
 
+    def zero_optimization_partition_weights(self) -> bool:
+        """True at ZeRO stage 3 (parameters sharded, FSDP2)."""
+        return self.zero.stage >= 3
+
     def zero_reduce_bucket_size(self) -> int:
         return self.config.zero_optimization.reduce_bucket_size
 
@@ -451,13 +455,29 @@ class DeepSpeedEngineSurface:
     curriculum_learning_enabled = random_ltd_enabled = autotuning_enabled = sparse_gradients_enabled = _off
     torch_autocast_enabled = graph_harvesting = is_sanity_checks_enabled = dump_state = _off
     fp16_master_weights_and_gradients = bf16_master_weights_and_gradients = bf16_optimizer_states = _off
-    zero_optimization_partition_weights = zero_cpu_offload = zero_use_cpu_optimizer = zero_elastic_checkpoint = _off
+    zero_elastic_checkpoint = _off
     zero_gather_16bit_weights_on_model_save = zero_legacy_stage1 = zero_quantized_weights = _off
     zero_quantized_nontrainable_weights = zero_quantized_gradients = optimizer_legacy_fusion = _off
-    amp_params = zero_offload_optimizer = zero_offload_param = torch_autocast_dtype = log_level = _none
+    amp_params = torch_autocast_dtype = log_level = _none
 
     def zero_load_from_fp32_weights(self) -> bool:
         return True
+
+    # ZeRO-Offload, as DeepSpeed's engine reports it: the sections, or None when not offloading
+    def zero_cpu_offload(self) -> bool:
+        """True with ``offload_optimizer: {"device": "cpu"}`` (or the older ``cpu_offload: true``)."""
+        return self.config.zero_optimization.offloads_optimizer
+
+    zero_use_cpu_optimizer = zero_cpu_offload
+
+    def zero_offload_optimizer(self) -> Any:
+        """The ``offload_optimizer`` section when the optimizer is offloaded, else None."""
+        return self.config.zero_optimization.offload_optimizer if self.zero_cpu_offload() else None
+
+    def zero_offload_param(self) -> Any:
+        """The ``offload_param`` section when parameters are offloaded (stage 3), else None."""
+        zero = self.config.zero_optimization
+        return zero.offload_param if zero.offloads_params else None
 
     def zero_ignore_unused_parameters(self) -> bool:
         return True
