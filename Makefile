@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --dist loadfile tests
 
 train: $(STAMP)
 	$(BIN)/python -m tachyon train

@@ -15,6 +15,12 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     enable_interpreter()  # before anything imports triton
 
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _XDIST_WORKERS > 1:
+    # `make test` runs one pytest-xdist worker per core: each worker's torch takes its share of the
+    # cores instead of every worker starting one thread per core (oversubscribed OpenMP threads spin)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:

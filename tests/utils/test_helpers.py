@@ -87,9 +87,10 @@ def _rank_zero_hangs():
 @pytest.mark.distributed
 def test_a_stuck_rank_is_killed_at_the_timeout():
     start = time.monotonic()
-    with pytest.raises(RankTimeout, match=r"ranks \[0\] of 2 did not finish within 15s"):
-        run_distributed(_rank_zero_hangs, 2, timeout=15)
-    assert time.monotonic() - start < 40
+    # rank 1 must start, join and finish inside the timeout while the test suite's other worker runs
+    with pytest.raises(RankTimeout, match=r"ranks \[0\] of 2 did not finish within 25s"):
+        run_distributed(_rank_zero_hangs, 2, timeout=25)
+    assert time.monotonic() - start < 50
 
 
 def _rank_dies():
