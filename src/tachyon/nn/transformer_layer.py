@@ -85,6 +85,7 @@ from tachyon.nn.layernorm_mlp import ACTIVATIONS, LayerNormMLP
 from tachyon.nn.linear import compute_dtype
 from tachyon.nn.norm import LayerNorm, RMSNorm
 from tachyon.nn.rope import RotaryTables
+from tachyon.nn import transformer_layer_fused as one_node
 
 LAYER_TYPES = ("encoder", "decoder")
 
@@ -214,6 +215,9 @@ class TransformerLayer(nn.Module):
         self.backend = backend
         self.num_layers = num_layers
         self._pld_stale_fp8_cache = False  # dropped on a first micro-batch: the FP8 weight cache is stale
+        # eager calls of the common configuration run as one autograd node (transformer_layer_fused.py);
+        # False: through the submodules, as torch.compile traces the layer
+        self.one_node_eager = True
         init_method = init_method or te_default_init
         output_layer_init_method = output_layer_init_method or te_default_init
         attn_post_ln = self.apply_residual_connection_post_layernorm and not self.output_layernorm
@@ -353,6 +357,11 @@ class TransformerLayer(nn.Module):
                 is_first_microbatch = True  # the first micro-batch skipped this layer: cache the weights now
         if is_first_microbatch is not None:
             self._pld_stale_fp8_cache = False
+        if self.one_node_eager and type(self) is TransformerLayer:
+            plan = one_node.plan_for(self, x, attention_mask, self_attn_mask_type, rotary_pos_emb, encoder_output,
+                                     is_first_microbatch, scale)
+            if plan is not None:
+                return one_node.run(self, plan, x, self._draw_seeds(x))
         if self._fusable():
             return self._forward_fused(x, attention_mask, self_attn_mask_type, rotary_pos_emb, encoder_output,
                                        enc_dec_attn_mask, is_first_microbatch, scale)

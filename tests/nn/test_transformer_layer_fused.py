@@ -1,0 +1,143 @@
+"""TransformerLayer's eager path as one autograd node (nn/transformer_layer_fused.py) against its
+module path (``one_node_eager = False``, the path torch.compile traces): the same values bit for
+bit, forward and every gradient, over several steps of dropout, and the same bytes saved for
+backward; the configurations it does not cover take the module path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tachyon
+from tachyon.nn import TransformerLayer
+from tachyon.nn.transformer_kernel import saved_tensor_bytes
+
+HIDDEN, FFN, HEADS, SEQ, BATCH = 32, 64, 4, 8, 2
+
+
+def _pair(dtype=torch.float32, **kwargs):
+    kwargs.setdefault("hidden_dropout", 0.1)
+    kwargs.setdefault("attention_dropout", 0.1)
+    torch.manual_seed(0)
+    one = TransformerLayer(HIDDEN, FFN, HEADS, params_dtype=dtype, **kwargs)
+    with torch.no_grad():  # norm weights and biases away from their 1 / 0 initialization
+        for param in one.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    mod = copy.deepcopy(one)
+    mod.one_node_eager = False
+    return one, mod
+
+
+def _step(layer, x, seed, **kwargs):
+    x = x.detach().clone().requires_grad_()
+    torch.manual_seed(seed)  # the dropout seeds' draw
+    out = layer(x, **kwargs)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype))
+    values = [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+    layer.zero_grad(set_to_none=True)
+    return values, out.grad_fn
+
+
+def _assert_same(one, mod, steps=2, dtype=torch.float32, **kwargs):
+    shape = (SEQ, BATCH, HIDDEN) if one.attn_input_format == "sbhd" else (BATCH, SEQ, HIDDEN)
+    x = torch.randn(shape).to(dtype)
+    names = ["out", "dx"] + [n for n, _ in one.named_parameters()]
+    for step in range(steps):
+        got, grad_fn = _step(one, x, 100 + step, **kwargs)
+        want, _ = _step(mod, x, 100 + step, **kwargs)
+        for name, a, b in zip(names, got, want):
+            if a is None or b is None:
+                assert a is None and b is None, f"step {step}: {name}: a gradient on one path only"
+                continue
+            assert torch.equal(a, b), f"step {step}: {name} differs by {(a.float() - b.float()).abs().max().item():.3g}"
+    return grad_fn
+
+
+def _is_one_node(grad_fn) -> bool:
+    return grad_fn is not None and type(grad_fn).__name__ == "TransformerLayerFunctionBackward"
+
+
+CASES = [
+    {},  # GPT: LayerNorm, tanh GELU, biases, causal, sbhd
+    {"normalization": "RMSNorm", "activation": "swiglu", "bias": False, "num_gqa_groups": 2,
+     "attn_input_format": "bshd"},
+    {"self_attn_mask_type": "no_mask", "activation": "relu", "hidden_dropout": 0.0, "attention_dropout": 0.0},
+    {"hidden_dropout": 0.2, "attention_dropout": 0.0, "layernorm_epsilon": 1e-6},
+]
+
+
+@pytest.mark.parametrize("kwargs", CASES, ids=["gpt", "llama-gqa-bshd", "no-mask-relu-p0", "hidden-dropout-only"])
+def test_one_node_equals_module_path_torch_backend(kwargs):
+    one, mod = _pair(backend="torch", **kwargs)
+    x = torch.randn(SEQ, BATCH, HIDDEN) if one.attn_input_format == "sbhd" else torch.randn(BATCH, SEQ, HIDDEN)
+    x.requires_grad_()
+    saved = [saved_tensor_bytes(lambda layer=layer: layer(x), exclude=layer.parameters())[1] for layer in (one, mod)]
+    assert saved[0] == saved[1], f"saved for backward: one node {saved[0]} bytes, module path {saved[1]}"
+    grad_fn = _assert_same(one, mod)
+    assert _is_one_node(grad_fn)
+
+
+def test_one_node_equals_module_path_triton_interpreter():
+    one, mod = _pair(backend="triton")
+    assert _is_one_node(_assert_same(one, mod, steps=1))
+
+
+def test_one_node_eval_and_no_grad_and_frozen_params():
+    one, mod = _pair(backend="torch")
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    for layer in (one, mod):
+        layer.eval()
+    with torch.no_grad():
+        assert torch.equal(one(x), mod(x))
+    one.train(), mod.train()
+    for layer in (one, mod):  # a frozen input norm and QKV weight: no gradient for them on either path
+        layer.self_attention.layernorm_qkv.weight.requires_grad_(False)
+        layer.self_attention.layernorm_qkv.layer_norm_weight.requires_grad_(False)
+    assert _is_one_node(_assert_same(one, mod, steps=1))
+
+
+def test_other_configurations_take_the_module_path():
+    """Padding masks, RoPE, post-LN, decoders, FP8, forward hooks and subclasses run through the
+    submodules (the one-node path does not cover them); the values stay the module path's."""
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    mask = torch.zeros(BATCH, 1, 1, SEQ, dtype=torch.bool)
+    mask[1, ..., 5:] = True
+    one, _ = _pair(backend="torch", self_attn_mask_type="padding")
+    assert not _is_one_node(one(x, attention_mask=mask).grad_fn)
+    one, _ = _pair(backend="torch", apply_residual_connection_post_layernorm=True)
+    assert not _is_one_node(one(x).grad_fn)
+    one, _ = _pair(backend="torch")
+    assert not _is_one_node(one(x, rotary_pos_emb=tachyon.nn.RotaryPositionEmbedding(HIDDEN // HEADS)(SEQ)).grad_fn)
+    handle = one.layernorm_mlp.register_forward_hook(lambda module, args, out: None)
+    assert not _is_one_node(one(x).grad_fn)
+    handle.remove()
+    assert _is_one_node(one(x).grad_fn)
+    with tachyon.fp8_autocast(enabled=True):
+        assert not _is_one_node(one(torch.randn(16, 2, HIDDEN)).grad_fn)
+
+    class Sub(TransformerLayer):
+        pass
+
+    sub = Sub(HIDDEN, FFN, HEADS, backend="torch")
+    assert not _is_one_node(sub(x).grad_fn)
+
+
+def test_a_changed_shape_dtype_or_parameter_is_checked_again():
+    """Nothing is cached across calls by shape: a new sequence length and batch, or a new dtype,
+    gives the module path's values; a dtype or a parameter shape the kernels do not take is
+    refused with the module path's error."""
+    one, mod = _pair(backend="torch")
+    for shape in ((SEQ, BATCH, HIDDEN), (SEQ + 3, BATCH + 1, HIDDEN)):
+        x = torch.randn(shape)
+        assert torch.equal(one.eval()(x), mod.eval()(x))
+    one.train(), mod.train()
+    one16, mod16 = _pair(torch.bfloat16, backend="torch")
+    assert _is_one_node(_assert_same(one16, mod16, steps=1, dtype=torch.bfloat16))
+    one64 = _pair(backend="torch")[0].double()
+    with pytest.raises(ValueError, match="float64"):
+        one64(torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64))
+    one.layernorm_mlp.fc1_bias = torch.nn.Parameter(torch.zeros(FFN + 1))
+    with pytest.raises(ValueError, match="bias1"):
+        one(torch.randn(SEQ, BATCH, HIDDEN))
