@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from tachyon.backend import resolve
-from tachyon.kernels.common import check_dtype, check_same_device, check_shape
+from tachyon.kernels.common import check_dtype, check_same_device, check_shape, lazy_module
 from tachyon.kernels.dropout import reference
 from tachyon.kernels.random import check_seed, join_seed, split_seed
 from tachyon.kernels.registry import fused_op
@@ -40,10 +40,7 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
-def _tri():
-    from tachyon.kernels.dropout import triton as tri
-
-    return tri
+_tri = lazy_module("tachyon.kernels.dropout.triton")  # imported on first use (it imports Triton)
 
 
 # --- bias + dropout + residual ------------------------------------------------------------------

@@ -19,9 +19,11 @@ from torch import Tensor
 
 from tachyon.backend import auto_on_cuda, resolve
 from tachyon.kernels import dispatch
-from tachyon.kernels.common import SUPPORTED_DTYPES, check_dtype, check_same_device, check_shape
+from tachyon.kernels.common import SUPPORTED_DTYPES, check_dtype, check_same_device, check_shape, lazy_module
 from tachyon.kernels.layernorm import reference
 from tachyon.kernels.registry import fused_op
+
+_triton = lazy_module("tachyon.kernels.layernorm.triton")  # imported on first use (it imports Triton)
 
 MAX_TRITON_N = 65536  # one row is one Triton block
 
@@ -40,8 +42,7 @@ def _norm_fwd(
     the invertible form)."""
     store_mean = not (is_rms or invertible)
     if backend == "triton":
-        from tachyon.kernels.layernorm import triton as tri
-
+        tri = _triton()
         y, z, mean, rstd = tri.norm_fwd(x, weight, bias, residual, eps, is_rms, store_mean)
     else:
         y, z, mean, rstd = reference.norm_forward(x, weight, bias, residual, eps, is_rms)
@@ -63,8 +64,7 @@ def _norm_bwd(
     """Returns (dx, dweight, dbias or an empty tensor); dx is also the residual's gradient."""
     impl = reference.norm_backward
     if backend == "triton":
-        from tachyon.kernels.layernorm import triton as tri
-
+        tri = _triton()
         impl = tri.norm_bwd
     dx, dw, db = impl(dy, saved, dz_out, weight, bias, mean, rstd, is_rms, from_output, saved.dtype)
     return dx, dw, (db if db is not None else _empty(weight))
