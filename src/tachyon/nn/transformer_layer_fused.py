@@ -76,6 +76,7 @@ class Plan(NamedTuple):
     be_bdan: str
     be_mlp: str
     be_bda: str
+    norm_twin: bool  # the input LayerNorm runs as torch's op (backend "auto" on CUDA, tachyon.kernels.dispatch)
 
 
 def _plain_module(module: torch.nn.Module, cls: type) -> bool:
@@ -145,15 +146,15 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
     if (be_norm == "triton" and n > MAX_NORM_N) or (be_bdan == "triton" and n > MAX_BDAN_N) or (
             be_attn == "triton" and d > MAX_TRITON_HEAD_DIM):
         return None  # the module path raises
-    if be_norm == "triton":
-        if auto_on_cuda(x, qkv.backend) and _twin_applies(x, ln_w, ln_b, None) and dispatch.choose(
-                "rms_norm" if rms else "layer_norm", x, dispatch.norm_class(n)) == dispatch.TWIN:
-            return None  # the input norm runs as torch's op there
+    norm_twin = be_norm == "triton" and auto_on_cuda(x, qkv.backend) and _twin_applies(x, ln_w, ln_b, None) and (
+        dispatch.choose("rms_norm" if rms else "layer_norm", x, dispatch.norm_class(n)) == dispatch.TWIN)
+    if norm_twin and rms:
+        return None  # torch's RMSNorm there: the module path
     return Plan(
         tuple(x.shape), rms, float(qkv.eps), float(mlp.eps), h, g, core.qkv_format == "sbhd", mask_type == "causal",
         float(core.attention_dropout) if training else 0.0, float(layer.hidden_dropout) if training else 0.0,
         default_scale(d, core.softmax_scale), core.one_kernel_backward, activation, be_norm, be_attn, be_bdan,
-        resolve(x, mlp.backend), be_bdan,
+        resolve(x, mlp.backend), be_bdan, norm_twin,
     )
 
 
@@ -176,8 +177,13 @@ def forward(plan: Plan, x: Tensor, seeds, params, save: bool):
     x2 = x.reshape(-1, n)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    # input norm (its input also feeds the residual: the norm's backward adds that gradient)
-    y0, _, mean0, rstd0 = _norm_fwd_impl(x2, ln_w, ln_b, None, plan.eps1, plan.rms, False, plan.be_norm)
+    # input norm (its input also feeds the residual: the norm's backward adds that gradient), or
+    # torch's LayerNorm where backend "auto" picks it (as layer_norm's torch twin: on x as given)
+    if plan.norm_twin:
+        y0, mean0, rstd0 = torch.native_layer_norm(x, (n,), ln_w, ln_b, plan.eps1)
+        y0 = y0.view(-1, n)
+    else:
+        y0, _, mean0, rstd0 = _norm_fwd_impl(x2, ln_w, ln_b, None, plan.eps1, plan.rms, False, plan.be_norm)
     qkv = F.linear(y0, qkv_w).view(shape[0], shape[1], -1)  # the bias is added by the attention kernels
     ctx, lse, _ = _packed_fwd_impl(qkv, qkv_b, None, plan.heads, plan.kv_heads, plan.sbhd, plan.causal, plan.p_attn, 0,
                                    s_attn, plan.softmax_scale, True, plan.one_kernel, None, None, False, plan.be_attn)
@@ -193,7 +199,7 @@ def forward(plan: Plan, x: Tensor, seeds, params, save: bool):
         return out.view(shape), None
     mean0 = None if plan.rms else mean0
     mean1 = None if plan.rms else mean1
-    return out.view(shape), (x2, mean0, rstd0, y0, qkv, ctx, lse, z1, mean1, rstd1, y1, pre, act)
+    return out.view(shape), (x if plan.norm_twin else x2, mean0, rstd0, y0, qkv, ctx, lse, z1, mean1, rstd1, y1, pre, act)
 
 
 def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs):
@@ -231,8 +237,13 @@ def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs):
     dqkv2 = dqkv.view(-1, dqkv.shape[-1])
     dy0 = dqkv2.mm(qkv_w)
     d_qkv_w = dqkv2.t().mm(y0) if needs[3] else None
-    dx, d_ln_w, d_ln_b = _norm_bwd_impl(dy0, x2, dx_branch, ln_w, ln_b, rstd0 if mean0 is None else mean0, rstd0,
-                                        plan.rms, False, plan.be_norm)
+    if plan.norm_twin:  # x's two gradients summed as autograd sums them
+        dx, d_ln_w, d_ln_b = torch.ops.aten.native_layer_norm_backward(
+            dy0.view(plan.shape), x2, (plan.shape[-1],), mean0, rstd0, ln_w, ln_b, [needs[0], True, ln_b is not None])
+        dx = dx + dx_branch.view(plan.shape) if needs[0] else None
+    else:
+        dx, d_ln_w, d_ln_b = _norm_bwd_impl(dy0, x2, dx_branch, ln_w, ln_b, rstd0 if mean0 is None else mean0, rstd0,
+                                            plan.rms, False, plan.be_norm)
     return (dx.view(plan.shape) if needs[0] else None, d_ln_w, d_ln_b if ln_b is not None else None, d_qkv_w,
             d_qkv_b if qkv_b is not None else None, d_proj_w, d_proj_b if proj_b is not None else None, d_ln2_w,
             d_ln2_b if ln2_b is not None else None, d_fc1_w, d_fc1_b if fc1_b is not None else None, d_fc2_w, d_fc2_b)
