@@ -27,6 +27,10 @@ tests/profiling/test_traffic_layers.py lists them):
   (``bias_dropout_add_layer_norm``, returning h and norm(h)); LayerNormMLP then skips its norm.
 - The dropout seeds of one forward (attention probabilities, both hidden dropouts; and the
   cross-attention's in a decoder) are one ``torch.randint`` draw on the data's device.
+- Eager calls of the common configuration (encoder, pre-LN, causal or no mask, no FP8 / RoPE /
+  progressive layer drop) run all of the above as ONE autograd node (transformer_layer_fused.py):
+  the same kernels and GEMMs with the same arguments, bit for bit, with the host time of one
+  module call; ``layer.one_node_eager = False`` runs the submodules (what torch.compile traces).
 - Tensor parallelism's layer (tachyon.parallel.tensor.fused) runs this same fused path: its
   submodules' forwards take the same keyword arguments (``attention.takes_fused_calls``) and
   its ``_seed_draw`` gives the sites whose data is split across ranks per-rank seeds, still in
