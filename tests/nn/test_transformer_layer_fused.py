@@ -189,3 +189,18 @@ def test_one_node_with_torchs_layernorm_under_auto_on_cuda(auto_on_sm90):
     one_rms, _ = _pair(normalization="RMSNorm")
     one_rms.backend = "torch"
     assert not _is_one_node(one_rms(x).grad_fn)  # torch's RMSNorm there: the module path
+
+
+def test_saves_what_the_module_path_saves_biases_included():
+    """The projection, fc1 and fc2 biases are not saved for backward on the module path (only their
+    dtypes are read), so updating them in place before the backward is allowed there and here."""
+    one, mod = _pair(backend="torch")
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    for layer in (one, mod):
+        torch.manual_seed(7)  # the same dropout seeds on both paths
+        out = layer(x)
+        with torch.no_grad():
+            for bias in (layer.self_attention.proj.bias, layer.layernorm_mlp.fc1_bias, layer.layernorm_mlp.fc2_bias):
+                bias.add_(1.0)
+        out.sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(one.parameters(), mod.parameters()))

@@ -202,10 +202,13 @@ def forward(plan: Plan, x: Tensor, seeds, params, save: bool):
     return out.view(shape), (x if plan.norm_twin else x2, mean0, rstd0, y0, qkv, ctx, lse, z1, mean1, rstd1, y1, pre, act)
 
 
-def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs):
+def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs, biases):
     """Gradients of (x, *params) from the output's gradient; ``needs``: which inputs want one
-    (ctx.needs_input_grad without the plan and the seeds)."""
-    ln_w, ln_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b = params
+    (ctx.needs_input_grad without the plan and the seeds). The backward does not read proj_b,
+    fc1_b and fc2_b (None in ``params``; not saved, as on the module path): ``biases`` says
+    (proj_b's dtype or None, whether fc1_b exists, fc2_b's dtype or None)."""
+    ln_w, ln_b, qkv_w, qkv_b, proj_w, _, ln2_w, ln2_b, fc1_w, _, fc2_w, _ = params
+    proj_bd, has_fc1_b, fc2_bd = biases
     x2, mean0, rstd0, y0, qkv, ctx, lse, z1, mean1, rstd1, y1, pre, act = saved
     s_attn, s1, s2 = seeds
     p = plan.p_hidden
@@ -214,20 +217,19 @@ def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs):
         d = d.contiguous()
     # out = z1 + dropout(f + fc2_b): z1's gradient is d itself
     if p > 0:
-        df, d_fc2_b = _dropout_bwd_impl(d, p, 0, s2, fc2_b is not None, fc2_b.dtype if fc2_b is not None else d.dtype,
-                                        plan.be_bda)
-        d_fc2_b = d_fc2_b if fc2_b is not None else None
+        df, d_fc2_b = _dropout_bwd_impl(d, p, 0, s2, fc2_bd is not None, fc2_bd or d.dtype, plan.be_bda)
+        d_fc2_b = d_fc2_b if fc2_bd is not None else None
     else:
-        df, d_fc2_b = d, (d.sum(0, dtype=torch.float32).to(fc2_b.dtype) if fc2_b is not None else None)
+        df, d_fc2_b = d, (d.sum(0, dtype=torch.float32).to(fc2_bd) if fc2_bd is not None else None)
     # MLP: dW2, then the dX GEMM with the activation's derivative (and fc1_b's gradient) in its epilogue
     d_fc2_w = df.t().mm(act) if needs[11] else None
-    dpre, d_fc1_b = _gemm_act_grad_impl(df, fc2_w, pre, plan.activation, fc1_b is not None, plan.be_mlp)
+    dpre, d_fc1_b = _gemm_act_grad_impl(df, fc2_w, pre, plan.activation, has_fc1_b, plan.be_mlp)
     dy1 = dpre.mm(fc1_w)
     d_fc1_w = dpre.t().mm(y1) if needs[9] else None
     # h = x + dropout(a + proj_b), y1 = norm2(h); z1 (= h) also took d through the output's residual
     da, dres, d_proj_b, d_ln2_w, d_ln2_b = _bdan_bwd_impl(
         dy1, z1, d, ln2_w, ln2_b, rstd1 if mean1 is None else mean1, rstd1, p, 0, s1, plan.rms, False,
-        proj_b is not None, proj_b.dtype if proj_b is not None else dy1.dtype, True, plan.be_bdan)
+        proj_bd is not None, proj_bd or dy1.dtype, True, plan.be_bdan)
     dx_branch = dres if p > 0 else da
     dctx = da.mm(proj_w)
     d_proj_w = da.t().mm(ctx.view(-1, ctx.shape[-1])) if needs[5] else None
@@ -245,8 +247,8 @@ def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs):
         dx, d_ln_w, d_ln_b = _norm_bwd_impl(dy0, x2, dx_branch, ln_w, ln_b, rstd0 if mean0 is None else mean0, rstd0,
                                             plan.rms, False, plan.be_norm)
     return (dx.view(plan.shape) if needs[0] else None, d_ln_w, d_ln_b if ln_b is not None else None, d_qkv_w,
-            d_qkv_b if qkv_b is not None else None, d_proj_w, d_proj_b if proj_b is not None else None, d_ln2_w,
-            d_ln2_b if ln2_b is not None else None, d_fc1_w, d_fc1_b if fc1_b is not None else None, d_fc2_w, d_fc2_b)
+            d_qkv_b if qkv_b is not None else None, d_proj_w, d_proj_b if proj_bd is not None else None, d_ln2_w,
+            d_ln2_b if ln2_b is not None else None, d_fc1_w, d_fc1_b if has_fc1_b else None, d_fc2_w, d_fc2_b)
 
 
 class TransformerLayerFunction(torch.autograd.Function):
@@ -256,14 +258,18 @@ class TransformerLayerFunction(torch.autograd.Function):
     def forward(ctx, plan: Plan, x: Tensor, s_attn, s1, s2, *params):
         out, saved = forward(plan, x, (s_attn, s1, s2), params, True)
         ctx.plan = plan
-        ctx.save_for_backward(s_attn, s1, s2, *params, *saved)
+        proj_b, fc1_b, fc2_b = params[5], params[9], params[11]  # read for their dtypes only
+        ctx.biases = (proj_b.dtype if proj_b is not None else None, fc1_b is not None,
+                      fc2_b.dtype if fc2_b is not None else None)
+        kept = (*params[:5], None, *params[6:9], None, params[10], None)
+        ctx.save_for_backward(s_attn, s1, s2, *kept, *saved)
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         s_attn, s1, s2, *rest = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        grads = backward(ctx.plan, dout, (s_attn, s1, s2), rest[:12], rest[12:], (needs[1], *needs[5:]))
+        grads = backward(ctx.plan, dout, (s_attn, s1, s2), rest[:12], rest[12:], (needs[1], *needs[5:]), ctx.biases)
         return (None, grads[0], None, None, None, *grads[1:])
 
 
