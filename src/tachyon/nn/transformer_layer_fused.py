@@ -196,10 +196,10 @@ def forward(plan: Plan, x: Tensor, seeds, params, save: bool):
     f = F.linear(act, fc2_w)
     out = _bda_fwd_impl(f, fc2_b, z1, plan.p_hidden, 0, s2, plan.be_bda)
     if not save:
-        return out.view(shape), None
+        return out.view(*shape), None
     mean0 = None if plan.rms else mean0
     mean1 = None if plan.rms else mean1
-    return out.view(shape), (x if plan.norm_twin else x2, mean0, rstd0, y0, qkv, ctx, lse, z1, mean1, rstd1, y1, pre, act)
+    return out.view(*shape), (x if plan.norm_twin else x2, mean0, rstd0, y0, qkv, ctx, lse, z1, mean1, rstd1, y1, pre, act)
 
 
 def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs, biases):
@@ -233,7 +233,7 @@ def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs, biases):
     dx_branch = dres if p > 0 else da
     dctx = da.mm(proj_w)
     d_proj_w = da.t().mm(ctx.view(-1, ctx.shape[-1])) if needs[5] else None
-    dqkv, d_qkv_b = _packed_bwd_impl(dctx.view(ctx.shape), qkv, qkv_b, ctx, lse, None, plan.heads, plan.kv_heads,
+    dqkv, d_qkv_b = _packed_bwd_impl(dctx.view(*ctx.shape), qkv, qkv_b, ctx, lse, None, plan.heads, plan.kv_heads,
                                      plan.sbhd, plan.causal, plan.p_attn, 0, s_attn, plan.softmax_scale, True,
                                      plan.one_kernel, None, None, None, False, plan.be_attn)
     dqkv2 = dqkv.view(-1, dqkv.shape[-1])
@@ -241,12 +241,12 @@ def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs, biases):
     d_qkv_w = dqkv2.t().mm(y0) if needs[3] else None
     if plan.norm_twin:  # x's two gradients summed as autograd sums them
         dx, d_ln_w, d_ln_b = torch.ops.aten.native_layer_norm_backward(
-            dy0.view(plan.shape), x2, (plan.shape[-1],), mean0, rstd0, ln_w, ln_b, [needs[0], True, ln_b is not None])
-        dx = dx + dx_branch.view(plan.shape) if needs[0] else None
+            dy0.view(*plan.shape), x2, (plan.shape[-1],), mean0, rstd0, ln_w, ln_b, [needs[0], True, ln_b is not None])
+        dx = dx + dx_branch.view(*plan.shape) if needs[0] else None
     else:
         dx, d_ln_w, d_ln_b = _norm_bwd_impl(dy0, x2, dx_branch, ln_w, ln_b, rstd0 if mean0 is None else mean0, rstd0,
                                             plan.rms, False, plan.be_norm)
-    return (dx.view(plan.shape) if needs[0] else None, d_ln_w, d_ln_b if ln_b is not None else None, d_qkv_w,
+    return (dx.view(*plan.shape) if needs[0] else None, d_ln_w, d_ln_b if ln_b is not None else None, d_qkv_w,
             d_qkv_b if qkv_b is not None else None, d_proj_w, d_proj_b if proj_bd is not None else None, d_ln2_w,
             d_ln2_b if ln2_b is not None else None, d_fc1_w, d_fc1_b if has_fc1_b else None, d_fc2_w, d_fc2_b)
 

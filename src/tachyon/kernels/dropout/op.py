@@ -246,7 +246,7 @@ def bias_dropout_add(
     n = x.shape[-1]
     r2 = residual.reshape(-1, n).contiguous() if residual is not None else None
     out = _bda_fwd(x.reshape(-1, n).contiguous(), bias, r2, p, seed, seed_tensor, chosen)
-    return out.view(x.shape)
+    return out.view(*x.shape)
 
 
 def bias_dropout_add_layer_norm(
@@ -286,7 +286,7 @@ def bias_dropout_add_layer_norm(
         x.reshape(-1, n).contiguous(), bias, r2, weight, ln_bias, float(eps), p, seed, seed_tensor, bool(rms),
         bool(invertible), return_residual, chosen,
     )
-    return (y.view(x.shape), z.view(x.shape)) if return_residual else y.view(x.shape)
+    return (y.view(*x.shape), z.view(*x.shape)) if return_residual else y.view(*x.shape)
 
 
 __all__ = ["bias_dropout_add", "bias_dropout_add_layer_norm"]

@@ -104,9 +104,9 @@ class _MLP(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             if dres is None:
-                dx = dpre.mm(w1).view(x.shape)
+                dx = dpre.mm(w1).view(*x.shape)
             else:  # the residual branch's gradient is the accumulator of the dX GEMM
-                dx = torch.addmm(dres.reshape(-1, k), dpre, w1).view(x.shape)
+                dx = torch.addmm(dres.reshape(-1, k), dpre, w1).view(*x.shape)
         dw1 = dpre.t().mm(x.reshape(-1, k)) if ctx.needs_input_grad[1] else None
         return dx, dw1, (db1 if ctx.has_b1 else None), dw2, db2, None, None, None
 
