@@ -48,6 +48,7 @@ from tachyon.nn.layernorm_linear import LayerNormLinear
 from tachyon.nn.layernorm_mlp import _KERNEL_NAME, LayerNormMLP
 from tachyon.nn.linear import Linear
 
+_is_compiling = torch.compiler.is_compiling
 _norm_fwd_impl, _norm_bwd_impl = _norm_fwd.impl, _norm_bwd.impl
 _packed_fwd_impl, _packed_bwd_impl = _packed_fwd.impl, _packed_bwd.impl
 _bda_fwd_impl, _dropout_bwd_impl = _bda_fwd.impl, _dropout_bwd.impl
@@ -91,6 +92,8 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
     """The Plan of one call of ``layer`` (exactly a TransformerLayer, not a subclass: the caller
     checks; its input x already in the compute dtype), or None where the module path must run
     (module docstring)."""
+    if _is_compiling():  # first: torch.compile traces the module path and nothing of the checks below
+        return None
     if (scale != 1.0 or layer.layer_type != "encoder" or layer.output_layernorm
             or layer.apply_residual_connection_post_layernorm or layer.zero_centered_gamma
             or rotary_pos_emb is not None or attention_mask is not None or encoder_output is not None):
