@@ -25,6 +25,7 @@ ratios within one run.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -116,6 +117,8 @@ def op_units() -> dict[str, tuple[Callable, Callable]]:
     x, w, b = _params((ROWS, HIDDEN), (HIDDEN,), (HIDDEN,))
     units["layer_norm fwd (no grad)"] = (_no_grad(lambda: layer_norm(x, w, b)),
                                          _no_grad(lambda: F.layer_norm(x, (HIDDEN,), w, b)))
+    units["layer_norm fwd: its Triton launch alone"] = (_bare_norm_launch(x, w, b),
+                                                        _no_grad(lambda: F.layer_norm(x, (HIDDEN,), w, b)))
     units["layer_norm fwd+bwd"] = (_fwd_bwd(lambda: layer_norm(x, w, b), (x, w, b)),
                                    _fwd_bwd(lambda: F.layer_norm(x, (HIDDEN,), w, b), (x, w, b)))
     units["rms_norm fwd+bwd"] = (_fwd_bwd(lambda: rms_norm(x, w), (x, w)),
@@ -137,6 +140,21 @@ def op_units() -> dict[str, tuple[Callable, Callable]]:
     units["attention fwd+bwd"] = (_fwd_bwd(lambda: attention(q, k, v), (q, k, v)),
                                   _fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v), (q, k, v)))
     return units
+
+
+def _bare_norm_launch(x, w, b) -> Callable[[], object]:
+    """layer_norm's one kernel launch with its outputs allocated once: what any eager call of the op
+    costs at least (Triton's binder and specialization key, the cached launcher)."""
+    from tachyon.kernels.layernorm import triton as tri
+
+    y, mean, rstd = torch.empty_like(x), torch.empty(ROWS), torch.empty(ROWS)
+    block_n, num_warps = tri.row_config(HIDDEN)
+
+    def run():
+        tri._norm_fwd_kernel[(ROWS,)](x, x, w, b, y, y, mean, rstd, x.stride(0), 0, y.stride(0), 0, HIDDEN, 1e-5,
+                                      IS_RMS=False, HAS_RES=False, HAS_BIAS=True, STORE_Z=False, STORE_MEAN=True,
+                                      BLOCK_N=block_n, num_warps=num_warps)
+    return run
 
 
 def layer_units() -> dict[str, tuple[Callable, Callable]]:
@@ -167,7 +185,41 @@ def layer_units() -> dict[str, tuple[Callable, Callable]]:
     basic = BasicTransformerLayer(HIDDEN, FFN, HEADS).train()
     units["TE TransformerLayer fwd+bwd"] = (_fwd_bwd(lambda: te(xs), list(te.parameters())),
                                             _fwd_bwd(lambda: basic(xs), list(basic.parameters())))
+    # the same layer through its submodules (one_node_eager=False: the path torch.compile traces)
+    modules = copy.deepcopy(te)
+    modules.one_node_eager = False
+    units["TE TransformerLayer fwd+bwd, module path"] = (_fwd_bwd(lambda: modules(xs), list(modules.parameters())),
+                                                         _fwd_bwd(lambda: basic(xs), list(basic.parameters())))
+    # backend "auto" as on an sm_90 GPU: tachyon.kernels.dispatch picks torch's LayerNorm for the input norm
+    units["TE TransformerLayer fwd+bwd, auto on sm_90"] = (
+        _on_sm90(_fwd_bwd(lambda: te(xs), list(te.parameters()))),
+        _fwd_bwd(lambda: basic(xs), list(basic.parameters())))
     return units
+
+
+def _on_sm90(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with backend "auto" answering as on an sm_90 GPU (the ops' CUDA check and the GPU
+    architecture patched, as tests/kernels/test_dispatch.py does): the dispatch table's choices apply."""
+    from tachyon.kernels import dispatch
+    from tachyon.kernels.layernorm import op as norm_op
+    from tachyon.nn import transformer_layer_fused as one_node
+
+    modules = (norm_op, one_node)
+    real = [(m, m.auto_on_cuda) for m in modules] + [(dispatch, dispatch.arch_of)]
+
+    def on_cuda(tensor, backend=None):
+        return backend in (None, "auto")
+
+    def run():
+        for m in modules:
+            m.auto_on_cuda = on_cuda
+        dispatch.arch_of = lambda tensor: "sm_90"
+        try:
+            return fn()
+        finally:
+            for m, f in real:
+                setattr(m, "arch_of" if m is dispatch else "auto_on_cuda", f)
+    return run
 
 
 def measure(units: dict[str, tuple[Callable, Callable]], rounds: int, calls: int, stub) -> list[dict]:

@@ -83,8 +83,8 @@ with StubLaunches() as stub:
     scale(x32); results["fast path off"] = state(stub, "")
     launch.set_fast_launch(True)
 
-    def tuned(n):
-        x = torch.randn(128)
+    def tuned(n, dtype=torch.float32):
+        x = torch.randn(128, dtype=dtype)
         before = len(stub.launches)
         config = _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, torch.empty_like(x), n)
         return {"launches": len(stub.launches) - before, "config": config.kwargs["BLOCK"],
@@ -94,6 +94,9 @@ with StubLaunches() as stub:
     results["tuned n=100 again"] = tuned(100)
     results["tuned n=120"] = tuned(120)
     results["tuned n=100 third"] = tuned(100)
+    results["tuned n=100 fp16"] = tuned(100, torch.float16)
+    results["tuned n=100 fp16 again"] = tuned(100, torch.float16)
+    results["tuned n=100 fp32 after fp16"] = tuned(100)
     results["cache sizes"] = [list(_scale.cache_sizes()), list(_tuned.cache_sizes())]
 print("RESULTS", json.dumps(results))
 '''
@@ -144,7 +147,10 @@ def test_autotuning_runs_once_per_key_and_the_chosen_config_is_reused(cache_resu
     assert r["tuned n=100 again"]["launches"] == 1 and r["tuned n=100 again"]["grid"] == [4, 1, 1]
     assert r["tuned n=120"]["launches"] == 3  # a new key value: tuned again
     assert r["tuned n=100 third"]["launches"] == 1
-    assert r["cache sizes"][1][0] == 2  # two autotuning keys
+    # the tensors' dtypes are part of the key (as in Autotuner.run): a new dtype tunes again
+    assert r["tuned n=100 fp16"]["launches"] == 3 and r["tuned n=100 fp16 again"]["launches"] == 1
+    assert r["tuned n=100 fp32 after fp16"]["launches"] == 1
+    assert r["cache sizes"][1][0] == 3  # three autotuning keys: n=100, n=120, n=100 in fp16
 
 
 def test_under_the_interpreter_fast_launch_leaves_the_kernel_as_it_is():

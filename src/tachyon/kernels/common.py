@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+
 import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -26,3 +30,18 @@ def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
     if len(set(devices.values())) > 1:
         listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"{op}: all tensors must be on one device; got {listing}")
+
+
+def lazy_module(name: str) -> Callable[[], ModuleType]:
+    """A function returning the module ``name``, imported at its first call (an op's Triton
+    implementation module, which imports Triton): a cached reference afterwards, where an import
+    statement in the op's body would run the import machinery on every call (about 1 us)."""
+    module: ModuleType | None = None
+
+    def load() -> ModuleType:
+        nonlocal module
+        if module is None:
+            module = importlib.import_module(name)
+        return module
+
+    return load

@@ -29,6 +29,7 @@ constants). Under Triton's interpreter (TRITON_INTERPRET=1) every call takes the
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,6 +38,7 @@ import torch
 
 _enabled = True
 _Tensor = torch.Tensor
+_dtype_of = operator.attrgetter("dtype")
 
 
 def set_fast_launch(enabled: bool) -> None:
@@ -79,6 +81,7 @@ class FastKernel:
         self._configs: dict[tuple, tuple[Any, dict[str, Any]]] = {}
         self._entries: dict[tuple, tuple[Callable, Any, Any]] = {}
         self._lock = threading.Lock()
+        self._pickers: dict[tuple[type, ...], Callable[[Sequence[Any]], tuple]] = {}  # see _tensor_picker
         if self.autotuner is not None and self.jit is not None:
             names = self.jit.arg_names
             self._tune_positions = [(names.index(k), k) for k in self.autotuner.keys if k in names]
@@ -115,12 +118,29 @@ class FastKernel:
             self.best_config = self.autotuner.best_config
         return compiled
 
+    def _tensor_picker(self, types: tuple[type, ...]) -> Callable[[Sequence[Any]], tuple]:
+        """For positional arguments of these types: a C-level function picking the tensors out of them."""
+        positions = [i for i, t in enumerate(types) if issubclass(t, _Tensor)]
+        if len(positions) >= 2:
+            pick = operator.itemgetter(*positions)
+        elif positions:
+            i = positions[0]
+            pick = lambda args: (args[i],)  # noqa: E731
+        else:
+            pick = lambda args: ()  # noqa: E731
+        if len(self._pickers) < 64:
+            self._pickers[types] = pick
+        return pick
+
     def _tune_key(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
         """The autotuning key as Autotuner.run builds it: the key arguments' values, then the dtype
-        of every argument that has one (tensors), positional then keyword."""
+        of every argument that has one (tensors), positional then keyword. The tensors are found
+        by the arguments' types (one C-level pass; the positions cached per tuple of types)."""
         n = len(args)
         key = [args[i] if i < n else kwargs.get(name) for i, name in self._tune_positions]
-        key += [a.dtype for a in args if isinstance(a, _Tensor)]
+        types = tuple(map(type, args))
+        pick = self._pickers.get(types) or self._tensor_picker(types)
+        key += map(_dtype_of, pick(args))
         if kwargs:
             key += [v.dtype for v in kwargs.values() if isinstance(v, _Tensor)]
         return tuple(key)

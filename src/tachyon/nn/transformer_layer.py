@@ -27,6 +27,10 @@ tests/profiling/test_traffic_layers.py lists them):
   (``bias_dropout_add_layer_norm``, returning h and norm(h)); LayerNormMLP then skips its norm.
 - The dropout seeds of one forward (attention probabilities, both hidden dropouts; and the
   cross-attention's in a decoder) are one ``torch.randint`` draw on the data's device.
+- Eager calls of the common configuration (encoder, pre-LN, causal or no mask, no FP8 / RoPE /
+  progressive layer drop) run all of the above as ONE autograd node (transformer_layer_fused.py):
+  the same kernels and GEMMs with the same arguments, bit for bit, with the host time of one
+  module call; ``layer.one_node_eager = False`` runs the submodules (what torch.compile traces).
 - Tensor parallelism's layer (tachyon.parallel.tensor.fused) runs this same fused path: its
   submodules' forwards take the same keyword arguments (``attention.takes_fused_calls``) and
   its ``_seed_draw`` gives the sites whose data is split across ranks per-rank seeds, still in
@@ -85,6 +89,7 @@ from tachyon.nn.layernorm_mlp import ACTIVATIONS, LayerNormMLP
 from tachyon.nn.linear import compute_dtype
 from tachyon.nn.norm import LayerNorm, RMSNorm
 from tachyon.nn.rope import RotaryTables
+from tachyon.nn import transformer_layer_fused as one_node
 
 LAYER_TYPES = ("encoder", "decoder")
 
@@ -214,6 +219,9 @@ class TransformerLayer(nn.Module):
         self.backend = backend
         self.num_layers = num_layers
         self._pld_stale_fp8_cache = False  # dropped on a first micro-batch: the FP8 weight cache is stale
+        # eager calls of the common configuration run as one autograd node (transformer_layer_fused.py);
+        # False: through the submodules, as torch.compile traces the layer
+        self.one_node_eager = True
         init_method = init_method or te_default_init
         output_layer_init_method = output_layer_init_method or te_default_init
         attn_post_ln = self.apply_residual_connection_post_layernorm and not self.output_layernorm
@@ -353,6 +361,11 @@ class TransformerLayer(nn.Module):
                 is_first_microbatch = True  # the first micro-batch skipped this layer: cache the weights now
         if is_first_microbatch is not None:
             self._pld_stale_fp8_cache = False
+        if self.one_node_eager and type(self) is TransformerLayer:
+            plan = one_node.plan_for(self, x, attention_mask, self_attn_mask_type, rotary_pos_emb, encoder_output,
+                                     is_first_microbatch, scale)
+            if plan is not None:
+                return one_node.run(self, plan, x, self._draw_seeds(x))
         if self._fusable():
             return self._forward_fused(x, attention_mask, self_attn_mask_type, rotary_pos_emb, encoder_output,
                                        enc_dec_attn_mask, is_first_microbatch, scale)

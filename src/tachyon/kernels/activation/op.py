@@ -28,8 +28,10 @@ from torch import Tensor
 from tachyon.backend import resolve
 from tachyon.kernels.activation import reference
 from tachyon.kernels.activation.reference import ACTIVATIONS, is_gated
-from tachyon.kernels.common import check_dtype, check_same_device, check_shape
+from tachyon.kernels.common import check_dtype, check_same_device, check_shape, lazy_module
 from tachyon.kernels.registry import fused_op
+
+_triton = lazy_module("tachyon.kernels.activation.triton")  # imported on first use (it imports Triton)
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -44,8 +46,7 @@ def _out_features(x: Tensor, activation: str) -> int:
 def _bias_act_fwd(x: Tensor, bias: Tensor | None, activation: str, backend: str) -> Tensor:
     """x: [M, K] contiguous, bias: [K] or None -> y: [M, F]."""
     if backend == "triton":
-        from tachyon.kernels.activation import triton as tri
-
+        tri = _triton()
         return tri.bias_act_fwd(x, bias, activation)
     return reference.bias_act_forward(x, bias, activation)
 
@@ -60,8 +61,7 @@ def _bias_act_bwd(dy: Tensor, x: Tensor, bias: Tensor | None, activation: str, b
     """dy: [M, F], x: [M, K]. Returns (dx [M, K], dbias [K] or an empty tensor)."""
     impl = reference.bias_act_backward
     if backend == "triton":
-        from tachyon.kernels.activation import triton as tri
-
+        tri = _triton()
         impl = tri.bias_act_bwd
     dx, db = impl(dy, x, bias, activation)
     return dx, (db if db is not None else _empty(x))

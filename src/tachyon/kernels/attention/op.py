@@ -25,9 +25,11 @@ from torch import Tensor
 from tachyon.backend import auto_on_cuda, resolve
 from tachyon.kernels import dispatch
 from tachyon.kernels.attention import reference
-from tachyon.kernels.common import check_dtype, check_same_device
+from tachyon.kernels.common import check_dtype, check_same_device, lazy_module
 from tachyon.kernels.random import check_seed, join_seed, split_seed
 from tachyon.kernels.registry import fused_op
+
+_triton = lazy_module("tachyon.kernels.attention.triton")  # imported on first use (it imports Triton)
 
 OP = "attention"
 MAX_TRITON_HEAD_DIM = 256
@@ -48,8 +50,7 @@ def _attention_fwd(
     s = join_seed(seed, seed_tensor)
     out = empty_in_layout_of(q)
     if backend == "triton":
-        from tachyon.kernels.attention import triton as tri
-
+        tri = _triton()
         return tri.attention_fwd(q, k, v, key_padding_bias, causal, dropout_p, s, softmax_scale, out=out)
     return reference.attention_forward(q, k, v, key_padding_bias, causal, dropout_p, s, softmax_scale, out)
 
@@ -69,8 +70,7 @@ def _attention_bwd(
     """Returns (dq, dk, dv), contiguous, in the dtypes and shapes of q, k, v."""
     s = join_seed(seed, seed_tensor)
     if backend == "triton":
-        from tachyon.kernels.attention import triton as tri
-
+        tri = _triton()
         dq, dk, dv, _ = tri.attention_bwd(dout, q, k, v, out, lse, key_padding_bias, causal, dropout_p, s,
                                           softmax_scale, None, None, deterministic,
                                           **({"one_kernel": True} if one_kernel_backward else {}))

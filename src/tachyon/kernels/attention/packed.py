@@ -37,9 +37,11 @@ from torch import Tensor
 from tachyon.backend import resolve
 from tachyon.kernels.attention import reference
 from tachyon.kernels.attention.op import MAX_TRITON_HEAD_DIM, _check_flag, _check_inputs
-from tachyon.kernels.common import check_same_device
+from tachyon.kernels.common import check_same_device, lazy_module
 from tachyon.kernels.random import join_seed, split_seed
 from tachyon.kernels.registry import fused_op
+
+_triton = lazy_module("tachyon.kernels.attention.triton")  # imported on first use (it imports Triton)
 from tachyon.kernels.rope import reference as rope_reference
 
 OP = "attention_qkvpacked"
@@ -110,8 +112,7 @@ def _packed_fwd(
         _rotate(q, k, rope_cos, rope_sin, rope_interleaved, False, rotated, backend)
         q, k = rotated
     if backend == "triton":
-        from tachyon.kernels.attention import triton as tri
-
+        tri = _triton()
         _, lse = tri.attention_fwd(q, k, v, bias, causal, dropout_p, s, softmax_scale, out=out, qkv_bias=qkv_bias)
     else:
         _, lse = reference.attention_forward(q, k, v, bias, causal, dropout_p, s, softmax_scale, out)
@@ -147,8 +148,7 @@ def _packed_bwd(
     if rope_cos is not None:
         q, k = _split_qk(qk_rot, heads, kv_heads, sbhd)
     if backend == "triton":
-        from tachyon.kernels.attention import triton as tri
-
+        tri = _triton()
         *_, dbias = tri.attention_bwd(dout, q, k, v, out, lse, bias, causal, dropout_p, s, softmax_scale, grads,
                                       qkv_bias, deterministic, **_one_kernel_kw(one_kernel_backward))
     else:

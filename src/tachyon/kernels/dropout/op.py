@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from tachyon.backend import resolve
-from tachyon.kernels.common import check_dtype, check_same_device, check_shape
+from tachyon.kernels.common import check_dtype, check_same_device, check_shape, lazy_module
 from tachyon.kernels.dropout import reference
 from tachyon.kernels.random import check_seed, join_seed, split_seed
 from tachyon.kernels.registry import fused_op
@@ -40,10 +40,7 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
-def _tri():
-    from tachyon.kernels.dropout import triton as tri
-
-    return tri
+_tri = lazy_module("tachyon.kernels.dropout.triton")  # imported on first use (it imports Triton)
 
 
 # --- bias + dropout + residual ------------------------------------------------------------------
@@ -249,7 +246,7 @@ def bias_dropout_add(
     n = x.shape[-1]
     r2 = residual.reshape(-1, n).contiguous() if residual is not None else None
     out = _bda_fwd(x.reshape(-1, n).contiguous(), bias, r2, p, seed, seed_tensor, chosen)
-    return out.view(x.shape)
+    return out.view(*x.shape)
 
 
 def bias_dropout_add_layer_norm(
@@ -289,7 +286,7 @@ def bias_dropout_add_layer_norm(
         x.reshape(-1, n).contiguous(), bias, r2, weight, ln_bias, float(eps), p, seed, seed_tensor, bool(rms),
         bool(invertible), return_residual, chosen,
     )
-    return (y.view(x.shape), z.view(x.shape)) if return_residual else y.view(x.shape)
+    return (y.view(*x.shape), z.view(*x.shape)) if return_residual else y.view(*x.shape)
 
 
 __all__ = ["bias_dropout_add", "bias_dropout_add_layer_norm"]

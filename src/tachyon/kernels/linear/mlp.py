@@ -32,9 +32,11 @@ from torch import Tensor
 from tachyon.backend import resolve
 from tachyon.kernels.activation.op import _bias_act_fwd
 from tachyon.kernels.activation.reference import ACTIVATIONS, is_gated
-from tachyon.kernels.common import check_dtype, check_same_device, check_shape
+from tachyon.kernels.common import check_dtype, check_same_device, check_shape, lazy_module
 from tachyon.kernels.linear import reference
 from tachyon.kernels.registry import fused_op
+
+_triton = lazy_module("tachyon.kernels.linear.triton")  # imported on first use (it imports Triton)
 
 OP = "mlp"
 
@@ -43,8 +45,7 @@ OP = "mlp"
 def _gemm_bias_act(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, backend: str) -> tuple[Tensor, Tensor]:
     """x [M, K] contiguous -> (pre [M, R], y [M, F])."""
     if backend == "triton":
-        from tachyon.kernels.linear import triton as tri
-
+        tri = _triton()
         return tri.gemm_bias_act(x, weight, bias, activation)
     return reference.gemm_bias_act_reference(x, weight, bias, activation)
 
@@ -61,8 +62,7 @@ def _gemm_act_grad(dout: Tensor, weight2: Tensor, pre: Tensor, activation: str, 
     """dout [M, O] contiguous -> (dpre [M, R], dbias [R] in pre's dtype or an empty tensor)."""
     impl = reference.gemm_act_grad_reference
     if backend == "triton":
-        from tachyon.kernels.linear import triton as tri
-
+        tri = _triton()
         impl = tri.gemm_act_grad
     dpre, dbias = impl(dout, weight2, pre, activation, pre.dtype if want_dbias else None)
     return dpre, (dbias if dbias is not None else pre.new_empty(0))
@@ -104,9 +104,9 @@ class _MLP(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             if dres is None:
-                dx = dpre.mm(w1).view(x.shape)
+                dx = dpre.mm(w1).view(*x.shape)
             else:  # the residual branch's gradient is the accumulator of the dX GEMM
-                dx = torch.addmm(dres.reshape(-1, k), dpre, w1).view(x.shape)
+                dx = torch.addmm(dres.reshape(-1, k), dpre, w1).view(*x.shape)
         dw1 = dpre.t().mm(x.reshape(-1, k)) if ctx.needs_input_grad[1] else None
         return dx, dw1, (db1 if ctx.has_b1 else None), dw2, db2, None, None, None
 

@@ -1,0 +1,295 @@
+"""TransformerLayer's forward and backward as ONE autograd node, for eager calls.
+
+The layer's fused path (transformer_layer.py) calls five tachyon ops and four GEMMs through its
+submodules (LayerNormLinear, DotProductAttention, Linear, LayerNormMLP): each call costs its
+module's Python, its op's argument checks, backend choice and autograd node, in forward and in
+backward. On a GPU that host time is longer than the kernels of a layer at the shapes layers are
+trained at, so the GPU waits (docs/host_time.md). This path runs the same layer as one
+``autograd.Function`` whose forward calls the same ops' implementations (the same Triton
+kernels, or the same PyTorch references on the torch backend) with the same arguments, and whose
+backward calls their backward implementations and the same GEMMs autograd would run
+(``grad.mm(W)`` for the input, ``grad.t().mm(input)`` for the weight). Values are the module
+path's, bit for bit, and the same tensors are saved (tests/nn/test_transformer_layer_fused.py).
+
+It runs where the module path would run exactly these ops: an encoder layer, pre-LN
+(``output_layernorm=False``, ``apply_residual_connection_post_layernorm=False``), no progressive
+layer drop, no RoPE, a "causal" or "no_mask" attention without a mask, no FP8 (outside an enabled
+``fp8_autocast``, GEMMs that never ran in FP8), no zero-centered gamma, the params' dtype (no
+torch.autocast), the Triton kernel for the input norm (not its torch twin, which ``backend="auto"``
+picks on CUDA where measured faster), the modules' own classes without hooks or replaced
+forwards, plain tensors outside torch.compile / dispatch modes / functorch. Anything else takes
+the module path, which stays what torch.compile traces.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.modules import module as _module
+
+from tachyon.backend import auto_on_cuda, resolve
+from tachyon.fp8.linear import runs_high_precision
+from tachyon.kernels import dispatch
+from tachyon.kernels.attention.op import MAX_TRITON_HEAD_DIM
+from tachyon.kernels.attention.reference import default_scale
+from tachyon.kernels.common import SUPPORTED_DTYPES
+from tachyon.kernels.dropout.op import MAX_TRITON_N as MAX_BDAN_N
+from tachyon.kernels.dropout.op import _bda_fwd, _bdan_bwd, _bdan_fwd, _dropout_bwd
+from tachyon.kernels.layernorm.op import MAX_TRITON_N as MAX_NORM_N
+from tachyon.kernels.layernorm.op import _norm_bwd, _norm_fwd, _twin_applies
+from tachyon.kernels.linear.mlp import _gemm_act_grad, _gemm_bias_act
+from tachyon.kernels.attention.packed import _packed_bwd, _packed_fwd
+from tachyon.kernels.registry import eager_call
+from tachyon.nn.attention import DotProductAttention, MultiheadAttention
+from tachyon.nn.layernorm_linear import LayerNormLinear
+from tachyon.nn.layernorm_mlp import _KERNEL_NAME, LayerNormMLP
+from tachyon.nn.linear import Linear
+
+_is_compiling = torch.compiler.is_compiling
+_norm_fwd_impl, _norm_bwd_impl = _norm_fwd.impl, _norm_bwd.impl
+_packed_fwd_impl, _packed_bwd_impl = _packed_fwd.impl, _packed_bwd.impl
+_bda_fwd_impl, _dropout_bwd_impl = _bda_fwd.impl, _dropout_bwd.impl
+_bdan_fwd_impl, _bdan_bwd_impl = _bdan_fwd.impl, _bdan_bwd.impl
+_gemm_bias_act_impl, _gemm_act_grad_impl = _gemm_bias_act.impl, _gemm_act_grad.impl
+
+
+class Plan(NamedTuple):
+    """What one call computes, beyond its tensors."""
+
+    shape: tuple[int, ...]  # the input's [s, b, h] / [b, s, h]
+    rms: bool
+    eps1: float  # the input norm's (layernorm_qkv.eps)
+    eps2: float  # the MLP norm's (layernorm_mlp.eps)
+    heads: int
+    kv_heads: int
+    sbhd: bool
+    causal: bool
+    p_attn: float
+    p_hidden: float
+    softmax_scale: float
+    one_kernel: bool
+    activation: str  # the fused MLP kernel's activation name
+    be_norm: str  # backends: the input norm, attention, the MLP block's norm + dropout, the MLP, the output add
+    be_attn: str
+    be_bdan: str
+    be_mlp: str
+    be_bda: str
+    norm_twin: bool  # the input LayerNorm runs as torch's op (backend "auto" on CUDA, tachyon.kernels.dispatch)
+
+
+def _plain_module(module: torch.nn.Module, cls: type) -> bool:
+    """``module`` is exactly ``cls``, without hooks or a forward replaced on the instance: calling
+    it runs ``cls.forward`` and nothing else."""
+    return (type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                                         or module._backward_pre_hooks) and "forward" not in module.__dict__)
+
+
+def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_emb, encoder_output,
+             is_first_microbatch, scale: float) -> Plan | None:
+    """The Plan of one call of ``layer`` (exactly a TransformerLayer, not a subclass: the caller
+    checks; its input x already in the compute dtype), or None where the module path must run
+    (module docstring)."""
+    if _is_compiling():  # first: torch.compile traces the module path and nothing of the checks below
+        return None
+    if (scale != 1.0 or layer.layer_type != "encoder" or layer.output_layernorm
+            or layer.apply_residual_connection_post_layernorm or layer.zero_centered_gamma
+            or rotary_pos_emb is not None or attention_mask is not None or encoder_output is not None):
+        return None
+    if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+        return None  # the module path raises
+    if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+            or _module._global_backward_pre_hooks):
+        return None
+    attn, mlp = layer.self_attention, layer.layernorm_mlp
+    if not (_plain_module(attn, MultiheadAttention) and _plain_module(mlp, LayerNormMLP)):
+        return None
+    training = layer.training
+    qkv, core, proj = getattr(attn, "layernorm_qkv", None), attn.core_attention, attn.proj
+    if not (attn.input_layernorm and _plain_module(qkv, LayerNormLinear) and _plain_module(core, DotProductAttention)
+            and _plain_module(proj, Linear) and attn.attention_type == "self" and attn.return_bias
+            and proj.return_bias and not attn.return_layernorm_output and not qkv.return_layernorm_output
+            and not mlp.return_layernorm_output and mlp.return_bias and not qkv.zero_centered_gamma
+            and not mlp.zero_centered_gamma and core.training == training):
+        return None
+    mask_type = core.attn_mask_type if self_attn_mask_type is None else self_attn_mask_type
+    if mask_type not in ("causal", "no_mask"):
+        return None  # padding masks (and invalid names, which the module path refuses) take the module path
+    activation = _KERNEL_NAME.get(mlp.activation)
+    if activation is None or qkv.normalization != mlp.normalization or qkv.normalization != layer.normalization:
+        return None
+    if not runs_high_precision(qkv.fp8_scaling["gemm"], proj.fp8_scaling["gemm"], mlp.fp8_scaling["fc1"],
+                               mlp.fp8_scaling["fc2"]):
+        return None
+    dtype = x.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        return None  # the module path refuses it
+    params = _params(layer)
+    if not eager_call((x, *params)):
+        return None
+    n = x.shape[-1]
+    for p in params:  # the module path's casts to the compute dtype would add graph nodes; its checks, errors
+        if p is not None and (p.dtype != dtype or p.device != x.device):
+            return None
+    rms = qkv.normalization == "RMSNorm"
+    ln_w, ln_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b = params
+    h, g, d = core.num_attention_heads, core.num_gqa_groups, core.kv_channels
+    width = (h + 2 * g) * d
+    if (ln_w.shape != (n,) or (ln_b is not None and ln_b.shape != (n,)) or qkv_w.shape != (width, n)
+            or (qkv_b is not None and qkv_b.shape != (width,)) or proj_w.shape != (n, h * d)
+            or (proj_b is not None and proj_b.shape != (n,)) or ln2_w.shape != (n,)
+            or (ln2_b is not None and ln2_b.shape != (n,)) or (rms != (ln_b is None)) or (rms != (ln2_b is None))
+            or fc1_w.dim() != 2 or fc1_w.shape[1] != n or fc2_w.dim() != 2 or fc2_w.shape[0] != n
+            or (fc1_b is not None and fc1_b.shape != (fc1_w.shape[0],)) or (fc2_b is not None and fc2_b.shape != (n,))
+            or (qkv_b is None) != (proj_b is None)):
+        return None  # what the module path's checks refuse (or a layout it would handle otherwise)
+    be_norm, be_attn, be_bdan = resolve(x, qkv.backend), resolve(x, core.backend), resolve(x, layer.backend)
+    if (be_norm == "triton" and n > MAX_NORM_N) or (be_bdan == "triton" and n > MAX_BDAN_N) or (
+            be_attn == "triton" and d > MAX_TRITON_HEAD_DIM):
+        return None  # the module path raises
+    norm_twin = be_norm == "triton" and auto_on_cuda(x, qkv.backend) and _twin_applies(x, ln_w, ln_b, None) and (
+        dispatch.choose("rms_norm" if rms else "layer_norm", x, dispatch.norm_class(n)) == dispatch.TWIN)
+    if norm_twin and rms:
+        return None  # torch's RMSNorm there: the module path
+    return Plan(
+        tuple(x.shape), rms, float(qkv.eps), float(mlp.eps), h, g, core.qkv_format == "sbhd", mask_type == "causal",
+        float(core.attention_dropout) if training else 0.0, float(layer.hidden_dropout) if training else 0.0,
+        default_scale(d, core.softmax_scale), core.one_kernel_backward, activation, be_norm, be_attn, be_bdan,
+        resolve(x, mlp.backend), be_bdan, norm_twin,
+    )
+
+
+def _params(layer) -> tuple[Tensor | None, ...]:
+    """The layer's 12 parameters in the order forward and backward take them."""
+    qkv = layer.self_attention.layernorm_qkv
+    proj = layer.self_attention.proj
+    mlp = layer.layernorm_mlp
+    q, o, m = qkv._parameters, proj._parameters, mlp._parameters
+    return (q["layer_norm_weight"], q["layer_norm_bias"], q["weight"], q["bias"], o["weight"], o["bias"],
+            m["layer_norm_weight"], m["layer_norm_bias"], m["fc1_weight"], m["fc1_bias"], m["fc2_weight"],
+            m["fc2_bias"])
+
+
+def forward(plan: Plan, x: Tensor, seeds, params, save: bool):
+    """The layer's output (x's shape) and, when ``save``, what the backward reads."""
+    ln_w, ln_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b = params
+    s_attn, s1, s2 = seeds
+    shape, n = plan.shape, plan.shape[-1]
+    x2 = x.reshape(-1, n)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    # input norm (its input also feeds the residual: the norm's backward adds that gradient), or
+    # torch's LayerNorm where backend "auto" picks it (as layer_norm's torch twin: on x as given)
+    if plan.norm_twin:
+        y0, mean0, rstd0 = torch.native_layer_norm(x, (n,), ln_w, ln_b, plan.eps1)
+        y0 = y0.view(-1, n)
+    else:
+        y0, _, mean0, rstd0 = _norm_fwd_impl(x2, ln_w, ln_b, None, plan.eps1, plan.rms, False, plan.be_norm)
+    qkv = F.linear(y0, qkv_w).view(shape[0], shape[1], -1)  # the bias is added by the attention kernels
+    ctx, lse, _ = _packed_fwd_impl(qkv, qkv_b, None, plan.heads, plan.kv_heads, plan.sbhd, plan.causal, plan.p_attn, 0,
+                                   s_attn, plan.softmax_scale, True, plan.one_kernel, None, None, False, plan.be_attn)
+    ctx2 = ctx.view(-1, ctx.shape[-1])
+    a = F.linear(ctx2, proj_w)
+    # h = x + dropout(a + proj_b), y1 = norm2(h): one kernel
+    y1, z1, mean1, rstd1 = _bdan_fwd_impl(a, proj_b, x2, ln2_w, ln2_b, plan.eps2, plan.p_hidden, 0, s1, plan.rms, False,
+                                          True, plan.be_bdan)
+    pre, act = _gemm_bias_act_impl(y1, fc1_w, fc1_b, plan.activation, plan.be_mlp)
+    f = F.linear(act, fc2_w)
+    out = _bda_fwd_impl(f, fc2_b, z1, plan.p_hidden, 0, s2, plan.be_bda)
+    if not save:
+        return out.view(*shape), None
+    mean0 = None if plan.rms else mean0
+    mean1 = None if plan.rms else mean1
+    return out.view(*shape), (x if plan.norm_twin else x2, mean0, rstd0, y0, qkv, ctx, lse, z1, mean1, rstd1, y1, pre, act)
+
+
+def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs, biases):
+    """Gradients of (x, *params) from the output's gradient; ``needs``: which inputs want one
+    (ctx.needs_input_grad without the plan and the seeds). The backward does not read proj_b,
+    fc1_b and fc2_b (None in ``params``; not saved, as on the module path): ``biases`` says
+    (proj_b's dtype or None, whether fc1_b exists, fc2_b's dtype or None)."""
+    ln_w, ln_b, qkv_w, qkv_b, proj_w, _, ln2_w, ln2_b, fc1_w, _, fc2_w, _ = params
+    proj_bd, has_fc1_b, fc2_bd = biases
+    x2, mean0, rstd0, y0, qkv, ctx, lse, z1, mean1, rstd1, y1, pre, act = saved
+    s_attn, s1, s2 = seeds
+    p = plan.p_hidden
+    d = dout.reshape(-1, dout.shape[-1])
+    if not d.is_contiguous():
+        d = d.contiguous()
+    # out = z1 + dropout(f + fc2_b): z1's gradient is d itself
+    if p > 0:
+        df, d_fc2_b = _dropout_bwd_impl(d, p, 0, s2, fc2_bd is not None, fc2_bd or d.dtype, plan.be_bda)
+        d_fc2_b = d_fc2_b if fc2_bd is not None else None
+    else:
+        df, d_fc2_b = d, (d.sum(0, dtype=torch.float32).to(fc2_bd) if fc2_bd is not None else None)
+    # MLP: dW2, then the dX GEMM with the activation's derivative (and fc1_b's gradient) in its epilogue
+    d_fc2_w = df.t().mm(act) if needs[11] else None
+    dpre, d_fc1_b = _gemm_act_grad_impl(df, fc2_w, pre, plan.activation, has_fc1_b, plan.be_mlp)
+    dy1 = dpre.mm(fc1_w)
+    d_fc1_w = dpre.t().mm(y1) if needs[9] else None
+    # h = x + dropout(a + proj_b), y1 = norm2(h); z1 (= h) also took d through the output's residual
+    da, dres, d_proj_b, d_ln2_w, d_ln2_b = _bdan_bwd_impl(
+        dy1, z1, d, ln2_w, ln2_b, rstd1 if mean1 is None else mean1, rstd1, p, 0, s1, plan.rms, False,
+        proj_bd is not None, proj_bd or dy1.dtype, True, plan.be_bdan)
+    dx_branch = dres if p > 0 else da
+    dctx = da.mm(proj_w)
+    d_proj_w = da.t().mm(ctx.view(-1, ctx.shape[-1])) if needs[5] else None
+    dqkv, d_qkv_b = _packed_bwd_impl(dctx.view(*ctx.shape), qkv, qkv_b, ctx, lse, None, plan.heads, plan.kv_heads,
+                                     plan.sbhd, plan.causal, plan.p_attn, 0, s_attn, plan.softmax_scale, True,
+                                     plan.one_kernel, None, None, None, False, plan.be_attn)
+    dqkv2 = dqkv.view(-1, dqkv.shape[-1])
+    dy0 = dqkv2.mm(qkv_w)
+    d_qkv_w = dqkv2.t().mm(y0) if needs[3] else None
+    if plan.norm_twin:  # x's two gradients summed as autograd sums them
+        dx, d_ln_w, d_ln_b = torch.ops.aten.native_layer_norm_backward(
+            dy0.view(*plan.shape), x2, (plan.shape[-1],), mean0, rstd0, ln_w, ln_b, [needs[0], True, ln_b is not None])
+        dx = dx + dx_branch.view(*plan.shape) if needs[0] else None
+    else:
+        dx, d_ln_w, d_ln_b = _norm_bwd_impl(dy0, x2, dx_branch, ln_w, ln_b, rstd0 if mean0 is None else mean0, rstd0,
+                                            plan.rms, False, plan.be_norm)
+    return (dx.view(*plan.shape) if needs[0] else None, d_ln_w, d_ln_b if ln_b is not None else None, d_qkv_w,
+            d_qkv_b if qkv_b is not None else None, d_proj_w, d_proj_b if proj_bd is not None else None, d_ln2_w,
+            d_ln2_b if ln2_b is not None else None, d_fc1_w, d_fc1_b if has_fc1_b else None, d_fc2_w, d_fc2_b)
+
+
+class TransformerLayerFunction(torch.autograd.Function):
+    """forward(ctx, plan, x, seed_attn, seed1, seed2, *params) -> out (x's shape)."""
+
+    @staticmethod
+    def forward(ctx, plan: Plan, x: Tensor, s_attn, s1, s2, *params):
+        out, saved = forward(plan, x, (s_attn, s1, s2), params, True)
+        ctx.plan = plan
+        proj_b, fc1_b, fc2_b = params[5], params[9], params[11]  # read for their dtypes only
+        ctx.biases = (proj_b.dtype if proj_b is not None else None, fc1_b is not None,
+                      fc2_b.dtype if fc2_b is not None else None)
+        kept = (*params[:5], None, *params[6:9], None, params[10], None)
+        ctx.save_for_backward(s_attn, s1, s2, *kept, *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        s_attn, s1, s2, *rest = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grads = backward(ctx.plan, dout, (s_attn, s1, s2), rest[:12], rest[12:], (needs[1], *needs[5:]), ctx.biases)
+        return (None, grads[0], None, None, None, *grads[1:])
+
+
+# the C-level apply (Function.apply adds argument binding and functorch unwrapping, which this path,
+# taken only without functorch transforms, does not need)
+_apply = super(torch.autograd.Function, TransformerLayerFunction).apply
+
+
+def run(layer, plan: Plan, x: Tensor, seeds) -> Tensor:
+    """The layer's output through one autograd node (or, without a gradient to compute, the same
+    forward without saving)."""
+    params = _params(layer)
+    s_attn = seeds[0] if plan.p_attn > 0 else None
+    s1, s2 = (seeds[1], seeds[2]) if plan.p_hidden > 0 else (None, None)
+    if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
+        return _apply(plan, x, s_attn, s1, s2, *params)
+    return forward(plan, x, (s_attn, s1, s2), params, False)[0]
+
+
+__all__ = ["Plan", "TransformerLayerFunction", "backward", "forward", "plan_for", "run"]

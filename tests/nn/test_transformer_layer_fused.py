@@ -1,0 +1,206 @@
+"""TransformerLayer's eager path as one autograd node (nn/transformer_layer_fused.py) against its
+module path (``one_node_eager = False``, the path torch.compile traces): the same values bit for
+bit, forward and every gradient, over several steps of dropout, and the same bytes saved for
+backward; the configurations it does not cover take the module path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tachyon
+from tachyon.nn import TransformerLayer
+from tachyon.nn.transformer_kernel import saved_tensor_bytes
+
+HIDDEN, FFN, HEADS, SEQ, BATCH = 32, 64, 4, 8, 2
+
+
+def _pair(dtype=torch.float32, **kwargs):
+    kwargs.setdefault("hidden_dropout", 0.1)
+    kwargs.setdefault("attention_dropout", 0.1)
+    torch.manual_seed(0)
+    one = TransformerLayer(HIDDEN, FFN, HEADS, params_dtype=dtype, **kwargs)
+    with torch.no_grad():  # norm weights and biases away from their 1 / 0 initialization
+        for param in one.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    mod = copy.deepcopy(one)
+    mod.one_node_eager = False
+    return one, mod
+
+
+def _step(layer, x, seed, **kwargs):
+    x = x.detach().clone().requires_grad_()
+    torch.manual_seed(seed)  # the dropout seeds' draw
+    out = layer(x, **kwargs)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype))
+    values = [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+    layer.zero_grad(set_to_none=True)
+    return values, out.grad_fn
+
+
+def _assert_same(one, mod, steps=1, dtype=torch.float32, **kwargs):
+    shape = (SEQ, BATCH, HIDDEN) if one.attn_input_format == "sbhd" else (BATCH, SEQ, HIDDEN)
+    x = torch.randn(shape).to(dtype)
+    names = ["out", "dx"] + [n for n, _ in one.named_parameters()]
+    for step in range(steps):
+        got, grad_fn = _step(one, x, 100 + step, **kwargs)
+        want, _ = _step(mod, x, 100 + step, **kwargs)
+        for name, a, b in zip(names, got, want):
+            if a is None or b is None:
+                assert a is None and b is None, f"step {step}: {name}: a gradient on one path only"
+                continue
+            assert torch.equal(a, b), f"step {step}: {name} differs by {(a.float() - b.float()).abs().max().item():.3g}"
+    return grad_fn
+
+
+def _is_one_node(grad_fn) -> bool:
+    return grad_fn is not None and type(grad_fn).__name__ == "TransformerLayerFunctionBackward"
+
+
+CASES = [
+    {},  # GPT: LayerNorm, tanh GELU, biases, causal, sbhd
+    {"normalization": "RMSNorm", "activation": "swiglu", "bias": False, "num_gqa_groups": 2,
+     "attn_input_format": "bshd"},
+    {"self_attn_mask_type": "no_mask", "activation": "relu", "hidden_dropout": 0.0, "attention_dropout": 0.0},
+    {"hidden_dropout": 0.2, "attention_dropout": 0.0, "layernorm_epsilon": 1e-6},
+]
+
+
+@pytest.mark.parametrize("kwargs", CASES, ids=["gpt", "llama-gqa-bshd", "no-mask-relu-p0", "hidden-dropout-only"])
+def test_one_node_equals_module_path_torch_backend(kwargs):
+    one, mod = _pair(backend="torch", **kwargs)
+    x = torch.randn(SEQ, BATCH, HIDDEN) if one.attn_input_format == "sbhd" else torch.randn(BATCH, SEQ, HIDDEN)
+    x.requires_grad_()
+    saved = [saved_tensor_bytes(lambda layer=layer: layer(x), exclude=layer.parameters())[1] for layer in (one, mod)]
+    assert saved[0] == saved[1], f"saved for backward: one node {saved[0]} bytes, module path {saved[1]}"
+    grad_fn = _assert_same(one, mod, steps=2 if not kwargs else 1)  # two steps: new dropout seeds
+    assert _is_one_node(grad_fn)
+
+
+def test_one_node_equals_module_path_triton_interpreter():
+    one, mod = _pair(backend="triton")
+    assert _is_one_node(_assert_same(one, mod))
+
+
+def test_one_node_eval_and_no_grad_and_frozen_params():
+    one, mod = _pair(backend="torch")
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    for layer in (one, mod):
+        layer.eval()
+    with torch.no_grad():
+        assert torch.equal(one(x), mod(x))
+    one.train(), mod.train()
+    for layer in (one, mod):  # a frozen input norm and QKV weight: no gradient for them on either path
+        layer.self_attention.layernorm_qkv.weight.requires_grad_(False)
+        layer.self_attention.layernorm_qkv.layer_norm_weight.requires_grad_(False)
+    assert _is_one_node(_assert_same(one, mod, steps=1))
+
+
+def test_other_configurations_take_the_module_path():
+    """Padding masks, RoPE, post-LN, decoders, FP8, forward hooks and subclasses run through the
+    submodules (the one-node path does not cover them); the values stay the module path's."""
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    mask = torch.zeros(BATCH, 1, 1, SEQ, dtype=torch.bool)
+    mask[1, ..., 5:] = True
+    one, _ = _pair(backend="torch", self_attn_mask_type="padding")
+    assert not _is_one_node(one(x, attention_mask=mask).grad_fn)
+    one, _ = _pair(backend="torch", apply_residual_connection_post_layernorm=True)
+    assert not _is_one_node(one(x).grad_fn)
+    one, _ = _pair(backend="torch")
+    assert not _is_one_node(one(x, rotary_pos_emb=tachyon.nn.RotaryPositionEmbedding(HIDDEN // HEADS)(SEQ)).grad_fn)
+    handle = one.layernorm_mlp.register_forward_hook(lambda module, args, out: None)
+    assert not _is_one_node(one(x).grad_fn)
+    handle.remove()
+    assert _is_one_node(one(x).grad_fn)
+    with tachyon.fp8_autocast(enabled=True):
+        assert not _is_one_node(one(torch.randn(16, 2, HIDDEN)).grad_fn)
+
+    class Sub(TransformerLayer):
+        pass
+
+    sub = Sub(HIDDEN, FFN, HEADS, backend="torch")
+    assert not _is_one_node(sub(x).grad_fn)
+
+
+def test_a_changed_shape_dtype_or_parameter_is_checked_again():
+    """Nothing is cached across calls by shape: a new sequence length and batch, or a new dtype,
+    gives the module path's values; a dtype or a parameter shape the kernels do not take is
+    refused with the module path's error."""
+    one, mod = _pair(backend="torch")
+    for shape in ((SEQ, BATCH, HIDDEN), (SEQ + 3, BATCH + 1, HIDDEN)):
+        x = torch.randn(shape)
+        assert torch.equal(one.eval()(x), mod.eval()(x))
+    one.train(), mod.train()
+    one16, mod16 = _pair(torch.bfloat16, backend="torch")
+    assert _is_one_node(_assert_same(one16, mod16, steps=1, dtype=torch.bfloat16))
+    one64 = _pair(backend="torch")[0].double()
+    with pytest.raises(ValueError, match="float64"):
+        one64(torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64))
+    one.layernorm_mlp.fc1_bias = torch.nn.Parameter(torch.zeros(FFN + 1))
+    with pytest.raises(ValueError, match="bias1"):
+        one(torch.randn(SEQ, BATCH, HIDDEN))
+
+
+@pytest.fixture
+def auto_on_sm90(monkeypatch):
+    """backend "auto" as on an sm_90 GPU for the input norm (tachyon.kernels.dispatch picks torch's
+    LayerNorm there: fp32 is not measured), the rest of the layer on the torch backend."""
+    from tachyon.kernels import dispatch
+    from tachyon.kernels.layernorm import op as norm_op
+    from tachyon.nn import transformer_layer_fused as one_node
+
+    for module in (norm_op, one_node):
+        real = module.resolve
+        monkeypatch.setattr(module, "resolve", lambda t, backend=None, real=real:
+                            "triton" if backend in (None, "auto") else real(t, backend))
+        monkeypatch.setattr(module, "auto_on_cuda", lambda t, backend: backend in (None, "auto"))
+    monkeypatch.setattr(dispatch, "arch_of", lambda t: "sm_90")
+
+
+def _graph_names(grad_fn) -> set[str]:
+    names, stack, seen = set(), [grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return names
+
+
+def test_one_node_with_torchs_layernorm_under_auto_on_cuda(auto_on_sm90):
+    one, mod = _pair()
+    for layer in (one, mod):
+        layer.backend = layer.self_attention.core_attention.backend = layer.layernorm_mlp.backend = "torch"
+    x = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
+    assert "NativeLayerNormBackward0" in _graph_names(mod(x).grad_fn)  # the module path takes torch's norm
+    saved = [saved_tensor_bytes(lambda layer=layer: layer(x), exclude=layer.parameters())[1] for layer in (one, mod)]
+    assert saved[0] == saved[1], f"saved for backward: one node {saved[0]} bytes, module path {saved[1]}"
+    assert _is_one_node(_assert_same(one, mod, steps=1))
+    grads = []
+    for layer in (one, mod):  # an input without a gradient: the norm's input gradient is not formed
+        torch.manual_seed(5)
+        layer(x.detach()).sum().backward()
+        grads.append([p.grad for p in layer.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    one_rms, _ = _pair(normalization="RMSNorm")
+    one_rms.backend = "torch"
+    assert not _is_one_node(one_rms(x).grad_fn)  # torch's RMSNorm there: the module path
+
+
+def test_saves_what_the_module_path_saves_biases_included():
+    """The projection, fc1 and fc2 biases are not saved for backward on the module path (only their
+    dtypes are read), so updating them in place before the backward is allowed there and here."""
+    one, mod = _pair(backend="torch")
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    for layer in (one, mod):
+        torch.manual_seed(7)  # the same dropout seeds on both paths
+        out = layer(x)
+        with torch.no_grad():
+            for bias in (layer.self_attention.proj.bias, layer.layernorm_mlp.fc1_bias, layer.layernorm_mlp.fc2_bias):
+                bias.add_(1.0)
+        out.sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(one.parameters(), mod.parameters()))
