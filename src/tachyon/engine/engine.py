@@ -582,7 +582,7 @@ def _build_bound_optimizer(client: Any, config: TachyonConfig, zero: ZeroStrateg
         for group, ours in zip(optimizer.param_groups, groups):
             group.update({k: v for k, v in ours.items() if k != "params"})
     elif config.optimizer is not None:
-        optimizer = build_optimizer(config.optimizer, groups)
+        optimizer = build_optimizer(config.optimizer, groups, host=zero.offload.any)
     else:
         return None
     optimizer.norm_reducer = zero.norm_reducer

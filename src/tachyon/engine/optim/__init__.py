@@ -1,6 +1,7 @@
 """Optimizers over ordinary parameters or flat fp32 ZeRO partitions.
 
 - FusedAdam: Adam/AdamW, one Triton multi-tensor launch per step on CUDA (PyTorch elsewhere).
+- CPUAdam: FusedAdam over host tensors (ZeRO-Offload's optimizer; DeepSpeed's DeepSpeedCPUAdam).
 - Lamb: DeepSpeed FusedLamb semantics, trust ratios per original parameter even when the optimizer
   sees one flat partition (param group ``segments`` / ``num_segments`` + ``optimizer.norm_reducer``).
 - OneBitAdam, OneBitLamb: 1-bit Adam / LAMB (DeepSpeed's OnebitAdam / OnebitLamb): a warm-up with
@@ -13,7 +14,7 @@
 
 from torch.optim import SGD
 
-from tachyon.engine.optim.adam import FusedAdam
+from tachyon.engine.optim.adam import CPUAdam, FusedAdam
 from tachyon.engine.optim.builder import OPTIMIZERS, build_optimizer
 from tachyon.engine.optim.lamb import Lamb, NormReducer
 from tachyon.engine.optim.onebit import OneBitOptimizer, reshard_onebit_state_dicts
@@ -26,6 +27,6 @@ OnebitLamb = OneBitLamb
 """DeepSpeed's spelling (deepspeed.runtime.fp16.onebit.lamb.OnebitLamb)."""
 
 __all__ = [
-    "OPTIMIZERS", "SGD", "FusedAdam", "Lamb", "NormReducer", "OneBitAdam", "OneBitLamb", "OneBitOptimizer",
+    "OPTIMIZERS", "SGD", "CPUAdam", "FusedAdam", "Lamb", "NormReducer", "OneBitAdam", "OneBitLamb", "OneBitOptimizer",
     "OnebitAdam", "OnebitLamb", "build_optimizer", "reshard_onebit_state_dicts",
 ]

@@ -6,6 +6,8 @@ Mapping (DeepSpeed's):
 - ``Adam``: FusedAdam with adam_w_mode from the params (default True, i.e. AdamW-style decay!);
   with ``torch_adam: true`` torch.optim.AdamW (adam_w_mode) or torch.optim.Adam (not).
 - ``AdamW``: the same with adam_w_mode forced True.
+- ``host=True`` (ZeRO-Offload: the masters live on the host): Adam / AdamW without ``torch_adam``
+  build CPUAdam (DeepSpeed's DeepSpeedCPUAdam) instead of FusedAdam.
 - ``Lamb``: tachyon's Lamb. ``SGD``: torch.optim.SGD.
 - ``OneBitAdam`` / ``OneBitLamb``: tachyon's 1-bit optimizers (`tachyon.engine.optim.onebit`) over
   the default process group; the engine re-targets them to its data-parallel group and ZeRO
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from tachyon.config import OPTIMIZER_PARAMS
-from tachyon.engine.optim.adam import FusedAdam
+from tachyon.engine.optim.adam import CPUAdam, FusedAdam
 from tachyon.engine.optim.lamb import Lamb
 from tachyon.engine.optim.onebit_adam import OneBitAdam
 from tachyon.engine.optim.onebit_lamb import OneBitLamb
@@ -48,8 +50,9 @@ def _type_and_params(optimizer_config: Any) -> tuple[str, dict[str, Any]]:
     return canonical, dict(params)
 
 
-def build_optimizer(optimizer_config: Any, params: Iterable) -> torch.optim.Optimizer:
-    """The optimizer the config asks for over ``params`` (tensors or param-group dicts)."""
+def build_optimizer(optimizer_config: Any, params: Iterable, *, host: bool = False) -> torch.optim.Optimizer:
+    """The optimizer the config asks for over ``params`` (tensors or param-group dicts);
+    ``host``: the params are ZeRO-Offload's host masters (Adam / AdamW then build CPUAdam)."""
     kind, kw = _type_and_params(optimizer_config)
     if kind == "SGD":
         return torch.optim.SGD(params, **kw)
@@ -68,7 +71,7 @@ def build_optimizer(optimizer_config: Any, params: Iterable) -> torch.optim.Opti
     if "betas" in kw:
         kw["betas"] = tuple(kw["betas"])
     if not torch_adam:
-        return FusedAdam(params, adam_w_mode=adam_w_mode, **kw)
+        return (CPUAdam if host else FusedAdam)(params, adam_w_mode=adam_w_mode, **kw)
     if not kw.pop("bias_correction", True):
         raise ValueError("optimizer.params.bias_correction: false is not available with torch_adam: true "
                          "(torch.optim.Adam always bias-corrects); drop torch_adam or bias_correction")
