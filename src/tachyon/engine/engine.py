@@ -76,7 +76,7 @@ from .cuda_graph import EngineCudaGraph, check_cuda_graph
 from .lr_schedules import build_scheduler
 from .nonfinite import NonFiniteGradientsError, StepGuard
 from .onebit_hooks import bind_onebit_optimizer
-from .optim import build_optimizer
+from .optim import ZeroOneAdam, build_optimizer
 from .optim.lamb import Lamb
 from .pld import PLD_KWARGS, ProgressiveLayerDrop, UnusedParameterGuard
 from .precision import DTYPES, Precision, build_precision
@@ -183,6 +183,8 @@ class Engine(DeepSpeedEngineSurface, torch.nn.Module):
         if not bind_onebit_optimizer(self.optimizer, self.zero, loss_scale=lambda: precision.loss_scale, tp=tp) \
                 and hasattr(self.optimizer, "in_compression_stage"):
             bound = self.optimizer
+            if isinstance(bound, ZeroOneAdam):  # it averages over the data-parallel group
+                bound.bind_data_parallel(self.zero.comm.group, self.zero.comm.world_size)
             self.zero.set_local_gradients(lambda: bool(bound.in_compression_stage))
         self.schedule = pipeline.build_schedule(model, config, device, self.precision) if self.is_pipeline else None
         self._data_iterator: Any = None

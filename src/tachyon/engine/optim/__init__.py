@@ -8,6 +8,8 @@
   the plain optimizer, then the momentum averaged over the data-parallel ranks with a 1-bit
   compressed all-reduce (`tachyon.parallel.compression`); ``reshard_onebit_state_dicts`` maps
   their checkpoints to another world size.
+- ZeroOneAdam: 0/1 Adam (DeepSpeed's ZeroOneAdam): variance updates at exponentially spaced
+  steps, then local steps synchronised with the 1-bit compressed all-reduce.
 - SGD: torch.optim.SGD.
 - build_optimizer(config.optimizer, params): from the ``optimizer`` config section.
 """
@@ -20,6 +22,7 @@ from tachyon.engine.optim.lamb import Lamb, NormReducer
 from tachyon.engine.optim.onebit import OneBitOptimizer, reshard_onebit_state_dicts
 from tachyon.engine.optim.onebit_adam import OneBitAdam
 from tachyon.engine.optim.onebit_lamb import OneBitLamb
+from tachyon.engine.optim.zero_one_adam import ZeroOneAdam
 
 OnebitAdam = OneBitAdam
 """DeepSpeed's spelling (deepspeed.runtime.fp16.onebit.adam.OnebitAdam)."""
@@ -28,5 +31,5 @@ OnebitLamb = OneBitLamb
 
 __all__ = [
     "OPTIMIZERS", "SGD", "CPUAdam", "FusedAdam", "Lamb", "NormReducer", "OneBitAdam", "OneBitLamb", "OneBitOptimizer",
-    "OnebitAdam", "OnebitLamb", "build_optimizer", "reshard_onebit_state_dicts",
+    "OnebitAdam", "OnebitLamb", "ZeroOneAdam", "build_optimizer", "reshard_onebit_state_dicts",
 ]

@@ -12,6 +12,8 @@ Mapping (DeepSpeed's):
 - ``OneBitAdam`` / ``OneBitLamb``: tachyon's 1-bit optimizers (`tachyon.engine.optim.onebit`) over
   the default process group; the engine re-targets them to its data-parallel group and ZeRO
   partitions (`tachyon.engine.onebit_hooks.bind_onebit_optimizer`).
+- ``ZeroOneAdam``: tachyon's 0/1 Adam (`tachyon.engine.optim.zero_one_adam`); the engine gives it
+  its data-parallel group.
 ``torch_adam`` and ``adam_w_mode`` are consumed here, never passed on. A value that cannot be
 honoured (amsgrad=True; bias_correction=False with torch_adam) raises ValueError naming the key.
 """
@@ -28,6 +30,7 @@ from tachyon.engine.optim.adam import CPUAdam, FusedAdam
 from tachyon.engine.optim.lamb import Lamb
 from tachyon.engine.optim.onebit_adam import OneBitAdam
 from tachyon.engine.optim.onebit_lamb import OneBitLamb
+from tachyon.engine.optim.zero_one_adam import ZeroOneAdam
 
 OPTIMIZERS = tuple(OPTIMIZER_PARAMS)
 _ACCEPTED = {name: tuple(model.model_fields) for name, model in OPTIMIZER_PARAMS.items()}
@@ -62,6 +65,10 @@ def build_optimizer(optimizer_config: Any, params: Iterable, *, host: bool = Fal
         if "betas" in kw:
             kw["betas"] = tuple(kw["betas"])
         return (OneBitAdam if kind == "OneBitAdam" else OneBitLamb)(params, **kw)
+    if kind == "ZeroOneAdam":
+        if "betas" in kw:
+            kw["betas"] = tuple(kw["betas"])
+        return ZeroOneAdam(params, **kw)
     if kw.pop("amsgrad", False):
         raise ValueError("optimizer.params.amsgrad: true is not supported (the fused Adam has no AMSGrad); use false")
     torch_adam = bool(kw.pop("torch_adam", False))

@@ -5,8 +5,8 @@ instances include every tachyon FusedAdam: their order
 differs, ``set_grad_none`` is accepted -- torch optimizers set gradients to None by default -- and
 ``amsgrad=True`` is refused). ``DeepSpeedCPUAdam`` is tachyon's CPUAdam (ZeRO-Offload's host
 Adam, torch's fused CPU kernel), which the engine builds from a config Adam / AdamW under
-``offload_optimizer``; 1-bit Adam comes from tachyon's optimizers (config ``"type": "OneBitAdam"``
-is the usual way).
+``offload_optimizer``; 1-bit Adam and 0/1 Adam come from tachyon's optimizers (config
+``"type": "OneBitAdam"`` / ``"ZeroOneAdam"`` is the usual way).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tachyon.compat._names import Target, module_getattr, unsupported
+from tachyon.compat._names import Target, module_getattr
 from tachyon.engine.optim import CPUAdam as _TachyonCPUAdam
 from tachyon.engine.optim import FusedAdam as _TachyonFusedAdam
 
@@ -77,7 +77,7 @@ class DeepSpeedCPUAdam(_TachyonCPUAdam, metaclass=_SameClassAs):
 
 _TABLE = {
     "OnebitAdam": Target((("tachyon.engine.optim", "OneBitAdam"),)),
-    "ZeroOneAdam": unsupported("0/1 Adam is not implemented by tachyon; use FusedAdam"),
+    "ZeroOneAdam": Target((("tachyon.engine.optim", "ZeroOneAdam"),)),
 }
 __getattr__ = module_getattr(__name__, "deepspeed.ops.adam", _TABLE, lambda: ["DeepSpeedCPUAdam", "FusedAdam"])
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]

@@ -9,7 +9,7 @@ import importlib
 
 from tachyon.compat._names import module_getattr
 
-_SUBMODULES = ("fused_optimizer", "unfused_optimizer")
+_SUBMODULES = ("fused_optimizer", "onebit", "unfused_optimizer")
 _lookup = module_getattr(__name__, "deepspeed.runtime.fp16", {}, lambda: list(_SUBMODULES))
 
 
