@@ -118,3 +118,29 @@ def test_two_ranks_through_initialize():
         assert out["averaged"] == averaged and out["frozen"]
         assert out["same"] == synced, out["same"]
         assert out["losses"][-1] < 0.5 * out["losses"][0]
+
+
+def test_engine_checkpoint_mid_local_steps_resumes_exactly(tmp_path):
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        config = {"train_batch_size": 2, "optimizer": {"type": "ZeroOneAdam", "params": {
+            "lr": 0.01, "var_freeze_step": 2, "local_step_scaler": 1, "local_step_clipper": 4}}}
+        return tachyon.initialize(model=model, config=config)[0]
+
+    def run(engine, steps):
+        for step in steps:
+            torch.manual_seed(step)
+            engine.backward(engine(torch.randn(2, 4)).square().mean())
+            engine.step()
+
+    first = make()
+    run(first, range(5))  # frozen since step 3, the local-step interval has grown
+    first.save_checkpoint(str(tmp_path), tag="mid")
+    run(first, range(5, 9))
+    second = make()
+    second.load_checkpoint(str(tmp_path), tag="mid")
+    assert second.optimizer.freeze_key and "sync_params" in next(iter(second.optimizer.state.values()))
+    run(second, range(5, 9))
+    for p, q in zip(first.module.parameters(), second.module.parameters()):
+        assert torch.equal(p, q)
