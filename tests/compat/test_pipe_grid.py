@@ -1,13 +1,18 @@
 """``deepspeed.runtime.pipe.topology.PipelineParallelGrid`` over tachyon's Mesh on 2 gloo ranks:
 DeepSpeed's default split, a data-parallel and a model-parallel topology, each group checked by an
-all-reduce of the ranks, and what is refused."""
+all-reduce of the ranks, and what is refused. Slow (2 spawned ranks, about 10 s): DeepSpeed's own
+runtime/pipe/test_topology.py checks the grid on 4 ranks in the deepspeed_upstream run too."""
 
 from __future__ import annotations
+
+import pytest
 
 from tests.compat import _grid_ranks
 from tests.utils import run_distributed
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_pipeline_parallel_grid_groups_on_two_ranks():
     results = run_distributed(_grid_ranks.rank_main, 2, timeout=120)
     for rank, out in enumerate(results):

@@ -107,6 +107,7 @@ def test_refusals_and_state_round_trip():
     assert torch.equal(a.detach(), b.detach())
 
 
+@pytest.mark.distributed
 def test_two_ranks_through_initialize():
     results = run_distributed(_zero_one_ranks.rank_main, 2, timeout=180)
     # var_update_scaler 1: variance updates at steps 1, 2, 4 (interval 1, 2, 4); frozen after step 5 > 4
