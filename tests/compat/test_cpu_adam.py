@@ -85,3 +85,11 @@ def test_offloaded_config_adam_is_a_deepspeed_cpu_adam(kind):
     assert offloaded.optimizer.adam_w_mode is True  # DeepSpeed's Adam default is AdamW-style decay
     for p, q in zip(offloaded.module.parameters(), on_device.module.parameters()):
         assert_close(p.detach(), q.detach(), name=f"{kind} offloaded vs on the device")
+
+
+def test_cpu_adam_op_builder_is_compatible():
+    from tachyon.compat.deepspeed.ops import op_builder
+
+    assert op_builder.CPUAdamBuilder().is_compatible() and op_builder.COMPATIBLE_OPS["cpu_adam"]
+    with pytest.raises(NotImplementedError, match="DeepSpeedCPUAdam"):
+        op_builder.CPUAdamBuilder().load()
