@@ -89,6 +89,12 @@ def test_refusals_and_state_round_trip():
     with pytest.raises(ConfigError, match="ZeroOneAdam.*stage: 1"):
         tachyon.initialize(model=torch.nn.Linear(2, 2), config={
             "train_batch_size": 2, "optimizer": {"type": "ZeroOneAdam"}, "zero_optimization": {"stage": 1}})
+    model = torch.nn.Linear(2, 2)  # a client ZeroOneAdam under ZeRO-1 is refused before anything is built
+    weight, storage = model.weight, model.weight.data_ptr()
+    with pytest.raises(ValueError, match="ZeroOneAdam with zero_optimization.stage 1"):
+        tachyon.initialize(model=model, optimizer=ZeroOneAdam(model.parameters()),
+                           config={"train_batch_size": 2, "zero_optimization": {"stage": 1}})
+    assert model.weight is weight and model.weight.data_ptr() == storage  # not moved into a flat buffer
     a, b = _param(), _param()
     mask = torch.ones(4, 3)
     opt = ZeroOneAdam([{"params": [a], "exp_avg_mask": mask}], lr=0.01, var_freeze_step=2, local_step_scaler=1)

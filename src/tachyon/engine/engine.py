@@ -184,7 +184,8 @@ class Engine(DeepSpeedEngineSurface, torch.nn.Module):
                 and hasattr(self.optimizer, "in_compression_stage"):
             bound = self.optimizer
             if isinstance(bound, ZeroOneAdam):  # it averages over the data-parallel group
-                bound.bind_data_parallel(self.zero.comm.group, self.zero.comm.world_size)
+                bound.bind_data_parallel(self.zero.comm.group, self.zero.comm.world_size,
+                                         partitioned=self.zero.partitioned_masters)
             self.zero.set_local_gradients(lambda: bool(bound.in_compression_stage))
         self.schedule = pipeline.build_schedule(model, config, device, self.precision) if self.is_pipeline else None
         self._data_iterator: Any = None
@@ -499,6 +500,8 @@ def check_engine_inputs(model: Any, config: TachyonConfig, optimizer: Any, lr_sc
         raise ValueError(f"optimizer should be a torch.optim.Optimizer or a callable; got {_describe(optimizer)}")
     if isinstance(optimizer, torch.optim.Optimizer) and any(len(s) for s in optimizer.state.values()):
         raise ValueError("optimizer already has state; pass a freshly built optimizer")
+    if isinstance(optimizer, ZeroOneAdam) and config.zero_stage != 0:
+        ZeroOneAdam.check_zero_stage(config.zero_stage)
     if config.progressive_layer_drop.enabled:
         _check_pld_forward(model)
     if config.zero_stage == 3:

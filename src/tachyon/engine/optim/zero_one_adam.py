@@ -87,9 +87,20 @@ class ZeroOneAdam(torch.optim.Optimizer):
         self._reducers: dict[Tensor, CompressedAllReduce] = {}
         self._group_size: int | None = None
 
-    def bind_data_parallel(self, group: Any, world_size: int) -> None:
+    @staticmethod
+    def check_zero_stage(stage: int) -> None:
+        """ValueError for a ZeRO stage other than 0 (the engine asks before building anything)."""
+        if stage != 0:
+            raise ValueError(f"ZeroOneAdam with zero_optimization.stage {stage}: it averages each rank's whole "
+                             "gradient and displacement itself, and ZeRO partitions them (DeepSpeed does not combine "
+                             "them either); use stage 0, or OneBitAdam with ZeRO stages 1-2")
+
+    def bind_data_parallel(self, group: Any, world_size: int, *, partitioned: bool = False) -> None:
         """Average over ``group`` of ``world_size`` ranks (the engine's data-parallel group;
-        world_size 1: nothing to average)."""
+        world_size 1: nothing to average). ``partitioned`` (ZeRO stages 1-2: each rank holds a
+        partition of the parameters) is refused: 0/1 Adam needs every rank's whole gradient."""
+        if partitioned:
+            self.check_zero_stage(1)
         if self._reducers:
             raise RuntimeError("ZeroOneAdam.bind_data_parallel: the optimizer already communicated; bind it before "
                                "training")
