@@ -81,6 +81,8 @@ def test_refusals_and_state_round_trip():
         ZeroOneAdam([_param()], amsgrad=True)
     with pytest.raises(ValueError, match="max_grad_norm"):
         ZeroOneAdam([_param()], max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="var_freeze_step must be an int >= 1"):
+        ZeroOneAdam([_param()], var_freeze_step=0)
     with pytest.raises(ValueError, match="local_step_clipper"):
         ZeroOneAdam([_param()], local_step_clipper=0)
     params = tachyon.config.load_config({"train_batch_size": 2, "optimizer": {"type": "zerooneadam"}}).optimizer.params

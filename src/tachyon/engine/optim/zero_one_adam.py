@@ -72,6 +72,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
         group=None, block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         del deepspeed  # DeepSpeed's engine handle; tachyon passes the process group instead
+        _positive_int("var_freeze_step", var_freeze_step)
         check_onebit_arguments("ZeroOneAdam", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                freeze_step=var_freeze_step, eps_inside_sqrt=eps_inside_sqrt,
                                max_grad_norm=max_grad_norm, amsgrad=amsgrad, cuda_aware=cuda_aware,
