@@ -207,8 +207,6 @@ def test_fused_adam_takes_deepspeeds_arguments_and_steps_like_tachyons():
         assert_close(p.detach(), q.detach(), name="FusedAdam via DeepSpeed's signature")
     with pytest.raises(NotImplementedError, match="AMSGrad"):
         deepspeed.ops.adam.FusedAdam(a.parameters(), amsgrad=True)
-    with pytest.raises(NotImplementedError, match="ZeRO-Offload"):
-        deepspeed.ops.adam.DeepSpeedCPUAdam(a.parameters())
 
 
 def test_fused_lamb_takes_deepspeeds_arguments():
@@ -238,3 +236,13 @@ def test_unsupported_placeholders_import_and_refuse_every_use():
     for use in (lambda: OnDevice(dtype=torch.float16), lambda: OnDevice.__enter__(), lambda: OnDevice.anything):
         with pytest.raises(NotImplementedError, match=r"deepspeed\.OnDevice: .*build it normally"):
             use()
+
+
+def test_optimizer_wrapper_classes_import_and_isinstance_says_why():
+    from tachyon.compat.deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from tachyon.compat.deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    for wrapper in (FP16_UnfusedOptimizer, FP16_Optimizer):
+        with pytest.raises(NotImplementedError, match="engine.optimizer is the torch optimizer"):
+            isinstance(opt, wrapper)

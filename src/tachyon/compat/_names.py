@@ -9,9 +9,9 @@ any other reason propagates, so a broken tachyon module is never mistaken for a 
 
 Names with no candidate present resolve to an `Unsupported` placeholder: importing it works (a
 script may import names it only uses on some paths), and any use -- calling it, entering it as a
-context manager, subclassing it, reading an attribute -- raises NotImplementedError naming the
-feature and what to use instead. Nothing is cached, so a feature that lands later (e.g.
-``tachyon.inference``) is picked up without touching the compat layer.
+context manager, subclassing it, ``isinstance`` against it, reading an attribute -- raises
+NotImplementedError naming the feature and what to use instead. Nothing is cached, so a feature
+that lands later (e.g. ``tachyon.inference``) is picked up without touching the compat layer.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ class Unsupported:
     __call__ = _refuse
     __enter__ = _refuse
     __iter__ = _refuse
+    __instancecheck__ = _refuse  # isinstance(x, placeholder) names the feature too
+    __subclasscheck__ = _refuse
 
     def __exit__(self, *exc: Any) -> None:
         self._refuse()

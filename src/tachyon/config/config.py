@@ -207,6 +207,12 @@ def _cross_section_problems(config: TachyonConfig) -> list[str]:
             "partition gradients during every micro-batch's backward, which a pipeline schedule interleaves "
             "across micro-batches (DeepSpeed refuses it too); use zero_optimization.stage 0 or 1 with pipelines"
         )
+    if config.optimizer is not None and config.optimizer.type == "ZeroOneAdam" and config.zero_stage != 0:
+        problems.append(
+            f'`optimizer.type: "ZeroOneAdam"` with `zero_optimization.stage: {config.zero_stage}`: 0/1 Adam averages '
+            "each rank's whole gradient and momentum itself, and ZeRO partitions them (DeepSpeed does not combine "
+            "them either); use stage 0, or OneBitAdam with ZeRO stages 1-2"
+        )
     problems.extend(stage3_problems(config))
     problems.extend(offload_problems(config))
     if config.tensor_parallel.sequence_parallel and config.activation_checkpointing.partition_activations:

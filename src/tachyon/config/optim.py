@@ -22,6 +22,10 @@ worth knowing:
   ``nccl`` or ``gloo`` (both mean the data-parallel group's own torch.distributed backend).
   ``eps_inside_sqrt: true``, ``max_grad_norm > 0`` and ``amsgrad: true``, which DeepSpeed accepts
   and silently ignores, are refused (use ``gradient_clipping`` to clip).
+- ``ZeroOneAdam`` (DeepSpeed's 0/1 Adam, `tachyon.engine.optim.zero_one_adam`) takes DeepSpeed's
+  params with its defaults (``var_freeze_step: 100000``, ``var_update_scaler: 16``,
+  ``local_step_scaler: 32678``, ``local_step_clipper: 16``), with the same refusals; ZeRO stage 0
+  only (it averages gradients itself; DeepSpeed does not combine it with ZeRO either).
 """
 
 from __future__ import annotations
@@ -157,6 +161,27 @@ class OneBitLambParams(OneBitAdamParams):
         return self
 
 
+class ZeroOneAdamParams(Section):
+    """DeepSpeed's ZeroOneAdam arguments and defaults (deepspeed/runtime/fp16/onebit/zoadam.py)."""
+
+    lr: NonNegativeFloat = 1e-3
+    bias_correction: bool = True
+    betas: Betas = (0.9, 0.999)
+    eps: NonNegativeFloat = 1e-8
+    eps_inside_sqrt: bool = False
+    weight_decay: NonNegativeFloat = 0.0
+    max_grad_norm: NonNegativeFloat = 0.0
+    var_freeze_step: PositiveInt = 100000
+    var_update_scaler: PositiveInt = 16
+    local_step_scaler: PositiveInt = 32678
+    local_step_clipper: PositiveInt = 16
+    amsgrad: bool = False  # true is refused (the variance is frozen)
+    cuda_aware: bool = False
+    comm_backend_name: str = "nccl"
+
+    _supported = OneBitAdamParams._supported
+
+
 class SGDParams(Section):
     lr: NonNegativeFloat = 1e-3
     momentum: NonNegativeFloat = 0.0
@@ -247,6 +272,7 @@ OPTIMIZER_PARAMS: dict[str, type[Section]] = {
     "SGD": SGDParams,
     "OneBitAdam": OneBitAdamParams,
     "OneBitLamb": OneBitLambParams,
+    "ZeroOneAdam": ZeroOneAdamParams,
 }
 """Canonical optimizer name -> model of its ``params``."""
 
@@ -260,7 +286,6 @@ SCHEDULER_PARAMS: dict[str, type[Section]] = {
 """Canonical scheduler name -> model of its ``params``."""
 
 UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
-    "ZeroOneAdam": "0/1 Adam",
     "Adagrad": "Adagrad",
     "Lion": "Lion",
     "MuAdam": "muP Adam",

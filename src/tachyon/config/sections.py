@@ -486,7 +486,7 @@ class OptimizerConfig(Section):
     """``"optimizer"``: ``type`` is the canonical name; ``params`` holds every parameter of that
     type with DeepSpeed's defaults filled in (see `tachyon.config.optim`)."""
 
-    type: Literal["Adam", "AdamW", "Lamb", "SGD", "OneBitAdam", "OneBitLamb"]
+    type: Literal["Adam", "AdamW", "Lamb", "SGD", "OneBitAdam", "OneBitLamb", "ZeroOneAdam"]
     params: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -76,7 +76,7 @@ from .cuda_graph import EngineCudaGraph, check_cuda_graph
 from .lr_schedules import build_scheduler
 from .nonfinite import NonFiniteGradientsError, StepGuard
 from .onebit_hooks import bind_onebit_optimizer
-from .optim import build_optimizer
+from .optim import ZeroOneAdam, build_optimizer
 from .optim.lamb import Lamb
 from .pld import PLD_KWARGS, ProgressiveLayerDrop, UnusedParameterGuard
 from .precision import DTYPES, Precision, build_precision
@@ -183,6 +183,9 @@ class Engine(DeepSpeedEngineSurface, torch.nn.Module):
         if not bind_onebit_optimizer(self.optimizer, self.zero, loss_scale=lambda: precision.loss_scale, tp=tp) \
                 and hasattr(self.optimizer, "in_compression_stage"):
             bound = self.optimizer
+            if isinstance(bound, ZeroOneAdam):  # it averages over the data-parallel group
+                bound.bind_data_parallel(self.zero.comm.group, self.zero.comm.world_size,
+                                         partitioned=self.zero.partitioned_masters)
             self.zero.set_local_gradients(lambda: bool(bound.in_compression_stage))
         self.schedule = pipeline.build_schedule(model, config, device, self.precision) if self.is_pipeline else None
         self._data_iterator: Any = None
@@ -497,6 +500,8 @@ def check_engine_inputs(model: Any, config: TachyonConfig, optimizer: Any, lr_sc
         raise ValueError(f"optimizer should be a torch.optim.Optimizer or a callable; got {_describe(optimizer)}")
     if isinstance(optimizer, torch.optim.Optimizer) and any(len(s) for s in optimizer.state.values()):
         raise ValueError("optimizer already has state; pass a freshly built optimizer")
+    if isinstance(optimizer, ZeroOneAdam) and config.zero_stage != 0:
+        ZeroOneAdam.check_zero_stage(config.zero_stage)
     if config.progressive_layer_drop.enabled:
         _check_pld_forward(model)
     if config.zero_stage == 3:
@@ -582,7 +587,7 @@ def _build_bound_optimizer(client: Any, config: TachyonConfig, zero: ZeroStrateg
         for group, ours in zip(optimizer.param_groups, groups):
             group.update({k: v for k, v in ours.items() if k != "params"})
     elif config.optimizer is not None:
-        optimizer = build_optimizer(config.optimizer, groups)
+        optimizer = build_optimizer(config.optimizer, groups, host=zero.offload.any)
     else:
         return None
     optimizer.norm_reducer = zero.norm_reducer

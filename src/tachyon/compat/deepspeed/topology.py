@@ -8,6 +8,10 @@ data / model specialisations): a named Cartesian grid of ranks, the last axis va
 They are pure bookkeeping (no process groups). A pipeline / data / model topology passed to
 ``PipelineModule(topology=...)`` becomes the `tachyon.parallel.Mesh` with the same rank layout
 (tachyon's mesh orders its axes pp, dp, tp, as these do).
+
+``PipelineParallelGrid(topology)`` (DeepSpeed's grid, also an ``mpu``) holds the process groups
+of such a topology: they are that Mesh's groups (pipe = "pp", data = "dp", model = "tp", and
+DeepSpeed's model-parallel group, every rank of one model copy, = "mp").
 """
 
 from __future__ import annotations
@@ -107,4 +111,154 @@ def topology_to_mesh(topology: ProcessTopology) -> Any:
     return Mesh(pp=topology.get_dim("pipe"), dp=topology.get_dim("data"), tp=max(1, topology.get_dim("model")))
 
 
-__all__ = ["PipeDataParallelTopology", "PipeModelDataParallelTopology", "ProcessTopology", "topology_to_mesh"]
+def _prime_factors(n: int) -> list[int]:
+    """The prime factors of a positive integer, smallest first (with repeats)."""
+    if n <= 0:
+        raise ValueError(f"_prime_factors needs a positive integer; got {n}")
+    factors, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    return factors
+
+
+class PipelineParallelGrid:
+    """DeepSpeed's ``PipelineParallelGrid(topology=None)``: this rank's coordinate in a
+    pipe / data[ / model] topology and the process groups along its axes (collective: every rank
+    constructs it), built as the `tachyon.parallel.Mesh` of the same layout (``grid.mesh``).
+    Without a topology the world is split as DeepSpeed splits it: alternate prime factors of the
+    world size to pipe and data. The getters are DeepSpeed's mpu names (``get_stage_id``,
+    ``get_data_parallel_group``, ``get_slice_parallel_rank``, ``stage_to_global``, ...); the lists
+    ``dp_group``, ``pp_group``, ``slice_group`` are this rank's groups' ranks, ``dp_groups``,
+    ``pipe_groups`` every group's, ``p2p_groups`` each rank with its next stage's rank."""
+
+    def __init__(self, topology: ProcessTopology | None = None, process_group: Any = None):
+        import torch.distributed as dist
+
+        if process_group is not None:
+            raise NotImplementedError("PipelineParallelGrid(process_group=...): the grid spans the whole job (DeepSpeed "
+                                      "ignores the argument too); leave it out")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("PipelineParallelGrid needs torch.distributed initialized (deepspeed.init_distributed())")
+        self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if topology is None:
+            num_pp = num_dp = 1
+            for i, prime in enumerate(_prime_factors(self.world_size)):
+                num_pp, num_dp = (num_pp * prime, num_dp) if i % 2 == 0 else (num_pp, num_dp * prime)
+            topology = PipeDataParallelTopology(num_pp=num_pp, num_dp=num_dp)
+        self._topo = topology
+        if not self._is_grid_valid():
+            raise ValueError(f"PipelineParallelGrid: the topology {topology.get_axis_names()} x {topology.dims} holds "
+                             f"{topology.world_size()} ranks, the job has {self.world_size}")
+        self.mesh = topology_to_mesh(topology)  # every group, created on every rank
+        self.data_parallel_size = max(topology.get_dim("data"), 1)
+        self.pipe_parallel_size = max(topology.get_dim("pipe"), 1)
+        self.model_parallel_size = max(topology.get_dim("model"), 1)
+        self.slice_parallel_size = self.model_parallel_size
+        self.stage_id = self.get_stage_id()
+        self.data_parallel_id = self.get_data_parallel_id()
+        self.is_first_stage = self.stage_id == 0
+        self.is_last_stage = self.stage_id == self.pipe_parallel_size - 1
+        # DeepSpeed's "model parallel" group: every rank holding a part of this rank's model copy
+        self.ds_model_proc_group = self.mesh.group("mp")
+        model_ranks = sorted(topology.get_axis_list("data", self.data_parallel_id))
+        self.ds_model_world_size = len(model_ranks)
+        self.ds_model_rank = model_ranks.index(self.global_rank)
+        self.dp_groups = topology.get_axis_comm_lists("data")
+        self.dp_group = self.mesh.ranks("dp")
+        self.dp_proc_group = self.mesh.group("dp")
+        self.pipe_groups = topology.get_axis_comm_lists("pipe")
+        self.pp_group = self.mesh.ranks("pp")
+        self.pp_proc_group = self.mesh.group("pp")
+        self.p2p_groups = self._build_p2p_groups()
+        if self.model_parallel_size > 1:
+            self.mp_group: list[int] = []
+            self.model_groups = topology.get_axis_comm_lists("model")
+        self.slice_group = self.mesh.ranks("tp")
+        self.slice_proc_group = self.mesh.group("tp")
+
+    def _build_p2p_groups(self) -> list[list[int]]:
+        """[rank, the rank of the next stage (the last stage's next is the first)] for every rank."""
+        pairs = {}
+        for ranks in self._topo.get_axis_comm_lists("pipe") or [list(range(self.world_size))]:
+            for i, rank in enumerate(ranks):
+                pairs[rank] = [rank, ranks[(i + 1) % len(ranks)]]
+        return [pairs[rank] for rank in range(self.world_size)]
+
+    def _is_grid_valid(self) -> bool:
+        size = 1
+        for axis in self._topo.get_axis_names():
+            size *= self._topo.get_dim(axis)
+        return size == self.world_size
+
+    def get_stage_id(self) -> int:
+        return self._topo.get_coord(rank=self.global_rank).pipe
+
+    def get_data_parallel_id(self) -> int:
+        return self._topo.get_coord(rank=self.global_rank).data
+
+    def stage_to_global(self, stage_id: int, **coords: int) -> int:
+        """The global rank at pipeline stage ``stage_id`` with this rank's other coordinates
+        (each ``axis=value`` given replaces this rank's)."""
+        me = self._topo.get_coord(self.global_rank)
+        return self._topo.get_rank(**me._replace(pipe=stage_id, **coords)._asdict())
+
+    def topology(self) -> ProcessTopology:
+        return self._topo
+
+    def get_global_rank(self) -> int:
+        return self.global_rank
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.get_stage_id()
+
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pipe_parallel_size
+
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+
+    def get_pipe_parallel_group(self) -> Any:
+        return self.pp_proc_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.data_parallel_id
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.data_parallel_size
+
+    def get_data_parallel_group(self) -> Any:
+        return self.dp_proc_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self.dp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.ds_model_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.ds_model_world_size
+
+    def get_model_parallel_group(self) -> Any:
+        return self.ds_model_proc_group
+
+    def get_slice_parallel_rank(self) -> int:
+        return self._topo.get_coord(rank=self.global_rank).model if "model" in self._topo.get_axis_names() else 0
+
+    get_tensor_model_parallel_rank = get_slice_parallel_rank
+
+    def get_slice_parallel_world_size(self) -> int:
+        return self.slice_parallel_size
+
+    get_tensor_model_parallel_world_size = get_slice_parallel_world_size
+
+    def get_slice_parallel_group(self) -> Any:
+        return self.slice_proc_group
+
+    get_tensor_model_parallel_group = get_slice_parallel_group
+
+
+__all__ = ["PipeDataParallelTopology", "PipelineParallelGrid", "PipeModelDataParallelTopology", "ProcessTopology", "topology_to_mesh"]

@@ -15,6 +15,10 @@ In fp32 the updates equal torch.optim.AdamW / torch.optim.Adam (foreach=False) t
 ``host_step`` (set by ZeRO-Offload, `tachyon.engine.zero.offload`): the fp32 host tensors of a
 group are updated by torch's fused CPU Adam kernel (``torch._fused_adam(w)_``, one call per group;
 DeepSpeed's DeepSpeedCPUAdam role) instead of the multi-tensor reference.
+
+CPUAdam: FusedAdam over host tensors only (``host_step`` always on), the optimizer the config's
+Adam / AdamW builds under ZeRO-Offload (DeepSpeed's DeepSpeedCPUAdam: the same update, its
+parameters must be on the CPU).
 """
 
 from __future__ import annotations
@@ -110,3 +114,26 @@ class FusedAdam(torch.optim.Optimizer):
         """torch's load, keeping exp_avg / exp_avg_sq fp32 for fp16/bf16 params."""
         super().load_state_dict(state_dict)
         restore_fp32_states(self, state_dict, ("exp_avg", "exp_avg_sq"))
+
+
+class CPUAdam(FusedAdam):
+    """FusedAdam for host-resident fp32 masters (ZeRO-Offload; DeepSpeed's DeepSpeedCPUAdam):
+    each param group is stepped by torch's fused CPU Adam kernel. A parameter with a gradient
+    that is not on the CPU is refused at ``step`` (enable ``zero_optimization.offload_optimizer``
+    or use FusedAdam)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, adam_w_mode: bool = True, bias_correction: bool = True) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode,
+                         bias_correction=bias_correction)
+        self.host_step = True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.device.type != "cpu":
+                    raise ValueError(
+                        f"CPUAdam steps host tensors; a parameter of shape {tuple(p.shape)} is on {p.device}: enable "
+                        "zero_optimization.offload_optimizer ({\"device\": \"cpu\"}) or use FusedAdam")
+        return super().step(closure)

@@ -174,11 +174,15 @@ class ZeroStrategy:
         """One group per region: ``params = [flat fp32 master]``, the original hyperparameters,
         and (``with_segments``) ``segments`` (int64 [n_seg, 3]: start, length, parameter index) /
         ``num_segments`` describing which original parameters the master holds (LAMB's
-        per-parameter norms; 24 bytes per parameter piece, which other optimizers can do without)."""
+        per-parameter norms; 24 bytes per parameter piece, which other optimizers can do without).
+        A group's ``exp_avg_mask`` (1-bit Adam / LAMB: multiplied into each parameter's momentum)
+        is given for the parameters' shape; it comes out laid out as the master (`_flat_mask`)."""
         groups = []
         for region, master in zip(self.flat.regions, self.masters):
             group = dict(region.options)
             group["params"] = [master]
+            if torch.is_tensor(group.get("exp_avg_mask")):
+                group["exp_avg_mask"] = self._flat_mask(region, master, group["exp_avg_mask"])
             if not with_segments:
                 groups.append(group)
                 continue
@@ -191,6 +195,28 @@ class ZeroStrategy:
             group["num_segments"] = len(region.slots)
             groups.append(group)
         return groups
+
+    def _flat_mask(self, region: GroupRegion, master: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` (broadcast to each parameter of ``region``, as DeepSpeed applies a group's
+        ``exp_avg_mask`` to every parameter of the group) laid out as this rank's ``master``:
+        its elements of each parameter at their master offsets, 0 in the padding."""
+        out = torch.zeros(master.numel(), dtype=torch.float32, device=master.device)
+        for slot in region.slots:
+            try:
+                full = torch.broadcast_to(mask, slot.param.shape)
+            except RuntimeError:
+                raise ValueError(
+                    f"param group {region.index}'s 'exp_avg_mask' of shape {tuple(mask.shape)} does not broadcast to "
+                    f"its parameter of shape {tuple(slot.param.shape)} (a group's mask applies to each of its "
+                    "parameters); give each masked parameter its own param group") from None
+            full = full.reshape(-1).to(device=master.device, dtype=torch.float32)
+            if self.partitioned_masters:
+                for lo, hi, at in self.shards.partition_pieces(slot, self.rank):
+                    out[at:at + hi - lo] = full[lo:hi]
+            elif slot.numel:
+                at = slot.offset - region.start
+                out[at:at + slot.numel] = full
+        return out.view_as(master)
 
     def master_pieces(self, rank: int, *, whole: bool = False) -> list[list[tuple[int, int, int]]]:
         """Per slot (``flat.slots`` order): the parameter's elements in ``rank``'s master as

@@ -16,9 +16,10 @@
 parameters and their gradients on the host and copies each block's shards to the device when it
 is gathered; the masters are those host shards, so the optimizer steps on the host too.
 
-The optimizer step on the host: tachyon's FusedAdam (the config's Adam / AdamW) runs torch's
-fused CPU Adam kernel over every host tensor of a param group in one call
-(`mark_host_optimizer`); a client optimizer steps the host tensors as it would any others.
+The optimizer step on the host: the config's Adam / AdamW builds tachyon's CPUAdam (DeepSpeed's
+DeepSpeedCPUAdam), which runs torch's fused CPU Adam kernel over every host tensor of a param
+group in one call; a client FusedAdam is switched to that kernel (`mark_host_optimizer`), any
+other client optimizer steps the host tensors as it would any others.
 ``pin_memory``: the host buffers that are copied to or from the device (masters, gradient
 accumulators) are page-locked, when CUDA is there to pin for.
 

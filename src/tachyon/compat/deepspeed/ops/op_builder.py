@@ -40,7 +40,7 @@ _BUILDERS = [
     ("TransformerBuilder", "transformer", True, "use deepspeed.ops.transformer.DeepSpeedTransformerLayer"),
     ("InferenceBuilder", "transformer_inference", True, "use deepspeed.init_inference"),
     ("QuantizerBuilder", "quantizer", True, "use tachyon.inference's INT8 weights"),
-    ("CPUAdamBuilder", "cpu_adam", False, "ZeRO-Offload is not implemented; use FusedAdam"),
+    ("CPUAdamBuilder", "cpu_adam", True, "use deepspeed.ops.adam.DeepSpeedCPUAdam"),
     ("CPUAdagradBuilder", "cpu_adagrad", False, "Adagrad is not implemented"),
     ("CPULionBuilder", "cpu_lion", False, "Lion is not implemented"),
     ("FusedLionBuilder", "fused_lion", False, "Lion is not implemented"),

@@ -7,7 +7,7 @@ import importlib
 
 from tachyon.compat._names import module_getattr
 
-_SUBMODULES = ("activation_checkpointing", "config", "lr_schedules", "pipe", "progressive_layer_drop", "utils")
+_SUBMODULES = ("activation_checkpointing", "config", "config_utils", "fp16", "lr_schedules", "pipe", "progressive_layer_drop", "utils")
 _lookup = module_getattr(__name__, "deepspeed.runtime", {}, lambda: list(_SUBMODULES))
 
 

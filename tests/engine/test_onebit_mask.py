@@ -1,0 +1,69 @@
+"""1-bit Adam's ``exp_avg_mask`` through ``initialize``: a param group's mask, given for its
+parameters' shape, is laid out as the engine's flat fp32 master (ZeRO stage 0 and the stage-1
+partition), so the masked elements' momentum stays exactly zero after the compressed steps and
+those elements stop moving, as with DeepSpeed's OnebitAdam."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tachyon
+from tachyon.compat.deepspeed.utils import safe_get_full_optimizer_state
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _engine(stage: int, mask: torch.Tensor):
+    torch.manual_seed(0)
+    model = Net()
+    groups = [{"params": [model.fc1.weight], "exp_avg_mask": mask},
+              {"params": [model.fc1.bias, *model.fc2.parameters()]}]
+    config = {"train_batch_size": 2, "optimizer": {"type": "OneBitAdam", "params": {"lr": 0.01, "freeze_step": 2}},
+              "zero_optimization": {"stage": stage}}
+    engine, *_ = tachyon.initialize(model=model, model_parameters=groups, config=config)
+    return engine, model
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_exp_avg_mask_applies_through_initialize(stage):
+    mask = torch.ones(8, 6)
+    mask[:3] = 0  # the first three output rows of fc1
+    engine, model = _engine(stage, mask)
+    flat_mask = engine.optimizer.param_groups[0]["exp_avg_mask"]
+    assert flat_mask.shape == engine.optimizer.param_groups[0]["params"][0].shape
+    frozen = None
+    for step in range(5):
+        torch.manual_seed(step)
+        engine.backward(engine(torch.randn(2, 6)).square().mean())
+        engine.step()
+        if step == 1:  # the last warm-up step: from here on the masked rows have no momentum
+            frozen = model.fc1.weight.detach().clone()
+    assert engine.optimizer.in_compression_stage
+    momentum = safe_get_full_optimizer_state(model.fc1.weight, "exp_avg")
+    assert not momentum[:3].any() and momentum[3:].abs().min() > 0
+    assert torch.equal(model.fc1.weight.detach()[:3], frozen[:3])
+    assert not torch.equal(model.fc1.weight.detach()[3:], frozen[3:])
+    assert safe_get_full_optimizer_state(model.fc2.weight, "exp_avg").abs().min() > 0
+
+
+def test_exp_avg_mask_that_fits_no_parameter_is_refused_at_initialize():
+    with pytest.raises(ValueError, match=r"'exp_avg_mask' of shape \(6, 8\) does not broadcast.*own param group"):
+        _engine(0, torch.ones(6, 8))
