@@ -9,9 +9,9 @@
 
 `Init` lets each module be built normally, one at a time, and as soon as the constructor of a
 sharding unit returns (the modules stage 3 shards: tachyon's ``TransformerLayer`` /
-``TransformerKernelLayer`` and the classes named in ``unit_classes`` or the config's
-``zero_optimization.shard_module_classes``; an HF model's decoder layer class must be named
-there, its ``_no_split_modules`` being known only once the model exists), keeps only this
+``TransformerKernelLayer``, the classes named in ``unit_classes`` or the config's
+``zero_optimization.shard_module_classes``, and the layer classes HF model classes list in
+``_no_split_modules`` / ``_can_record_outputs``: `tachyon.engine.zero.hf_units`), keeps only this
 rank's shard of each of its parameters (the rows FSDP2 will give this rank: ``torch.chunk`` of
 dim 0 over the data-parallel ranks) in host memory, and turns the parameter itself into a meta
 tensor (shape and dtype, no storage). The units' ``__init__`` is wrapped for the block's
@@ -25,9 +25,9 @@ alike). `tachyon.initialize` at stage 3 then shards the meta model with FSDP2, a
 this rank's shards on the device and copies the kept values in.
 
 As with DeepSpeed's ``zero.Init``, code that changes a unit's parameter after the unit's
-constructor returned (a parent's constructor re-initializing a child's weights, HF's
-``post_init``) sees a meta tensor and changes nothing: do it inside
-``GatheredParameters(param, modifier_rank=0)``.
+constructor returned (a parent's constructor re-initializing a child's weights) sees a meta
+tensor and changes nothing: do it inside ``GatheredParameters(param, modifier_rank=0)``. HF's
+``post_init`` is handled: its weight initialization runs on each unit gathered, one at a time.
 Module buffers are not sharded (they are small and every rank needs them whole).
 
 `GatheredParameters(params, modifier_rank=None)`: inside the block each given parameter is whole
