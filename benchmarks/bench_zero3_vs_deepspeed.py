@@ -91,9 +91,10 @@ def _classify(new: dict, module, inner) -> dict[str, int]:
     import torch
 
     def key(t: torch.Tensor) -> tuple[str, int]:
+        t = getattr(t, "_local_tensor", t)  # an FSDP2 (DTensor) parameter: this rank's shard
         return (t.device.type, t.untyped_storage().data_ptr())
 
-    params = {key(p) for p in module.parameters() if not p.is_meta and p.untyped_storage().nbytes()}
+    params = {key(p) for p in module.parameters() if not p.is_meta}
     masters = {key(p) for g in inner.param_groups for p in g["params"]} - params
     states = {key(v) for st in inner.state.values() for v in st.values() if torch.is_tensor(v)}
     out: dict = dict.fromkeys(("parameters", "master_weights", "optimizer_states", "other"), 0)
