@@ -249,34 +249,32 @@ def test_zero_init_finds_hf_layer_classes_without_unit_classes(z3world):
 # ---------------------------------------------------------------------- composition
 @pytest.mark.distributed
 def test_stage3_composes_with_activation_checkpointing_and_the_flops_profiler(z3world):
-    """Two TransformerLayers (stage-3 units) and a head, 3 SGD steps on 2 ranks, the flops profiler
-    on at step 1: stage 3 without and with every layer under tachyon.checkpointing.checkpoint
-    (configured from the engine config's activation_checkpointing section; FSDP2 gathers each
-    layer again for its recomputation) ends with stage 2's parameters (fp32 within 1e-5) and
-    losses, and profiles the same parameter count and FLOPs as stage 2; checkpointing adds exactly
-    the recomputed forwards to the backward's count, exactly as it does at stage 2."""
+    """Two TransformerLayers (stage-3 units) and a head, 3 SGD steps on 2 ranks, every layer under
+    tachyon.checkpointing.checkpoint (configured from the engine config's activation_checkpointing
+    section; FSDP2 gathers each layer again for its recomputation) and the flops profiler on at
+    step 1: stage 3 ends with stage 2's parameters (fp32 within 1e-5) and losses, recomputes each
+    layer once per step as stage 2 does, and profiles the same parameter count (whole
+    parameters, not shards), FLOPs and MACs, forward and backward (the recomputed forwards in
+    the backward's count at both stages)."""
     _, results, _ = z3world
     for rank, result in enumerate(results):
         got = result["compose"]
-        base, plain, ckpt, ckpt2 = got[(2, False)], got[(3, False)], got[(3, True)], got[(2, True)]
-        assert (base["stage"], plain["stage"], ckpt["stage"], ckpt2["stage"]) == (2, 3, 3, 2)
-        assert ckpt["recomputes"] == ckpt2["recomputes"] == 2 * 3 and plain["recomputes"] == 0  # 2 layers x 3 steps
+        base, run = got[2], got[3]
+        assert (base["stage"], run["stage"]) == (2, 3)
+        assert run["recomputes"] == base["recomputes"] == 2 * 3  # 2 layers x 3 steps
         assert base["moved"] > 1e-3  # training changed the parameters
-        for name, run in (("stage 3", plain), ("stage 3 + checkpointing", ckpt)):
-            assert run["params"].keys() == base["params"].keys()
-            for key, want in base["params"].items():
-                assert_close(run["params"][key], want, rtol=FP32_RTOL, atol=FP32_ATOL, name=f"{name} rank {rank} {key}")
-            assert_close(torch.tensor(run["losses"]), torch.tensor(base["losses"]), rtol=FP32_RTOL, atol=FP32_ATOL,
-                         name=f"{name} rank {rank} losses")
+        assert run["params"].keys() == base["params"].keys()
+        for key, want in base["params"].items():
+            assert_close(run["params"][key], want, rtol=FP32_RTOL, atol=FP32_ATOL, name=f"stage 3 rank {rank} {key}")
+        assert_close(torch.tensor(run["losses"]), torch.tensor(base["losses"]), rtol=FP32_RTOL, atol=FP32_ATOL,
+                     name=f"stage 3 rank {rank} losses")
         if rank != 0:  # the profiler runs on global rank 0
-            assert base["profile"] is None and plain["profile"] is None and ckpt["profile"] is None
+            assert base["profile"] is None and run["profile"] is None
             continue
-        want = sum(p.numel() for p in base["params"].values())
-        assert base["profile"]["params"] == plain["profile"]["params"] == ckpt["profile"]["params"] == want
-        assert plain["profile"] == base["profile"], (plain["profile"], base["profile"])
-        assert ckpt["profile"] == ckpt2["profile"], (ckpt["profile"], ckpt2["profile"])
-        assert ckpt["profile"]["fwd_flops"] == base["profile"]["fwd_flops"] > 0
-        assert ckpt["profile"]["bwd_flops"] > base["profile"]["bwd_flops"]  # the recomputed forwards
+        assert run["profile"] == base["profile"], (run["profile"], base["profile"])
+        assert run["profile"]["params"] == sum(p.numel() for p in base["params"].values())
+        # backward ~2x the forward, plus the recomputed forward: ~3x
+        assert run["profile"]["fwd_flops"] > 0 and run["profile"]["bwd_flops"] > 2.5 * run["profile"]["fwd_flops"]
 
 
 # ---------------------------------------------------------------------- refusals
