@@ -132,7 +132,7 @@ class Init(contextlib.ContextDecorator):
         if self.discover:  # the layer classes HF model classes list (tachyon.engine.zero.hf_units)
             for cls in classes:
                 self.names |= hf_layer_names(cls)
-            self._restore_hf = patch_hf_init_weights(lambda params: GatheredParameters(params, modifier_rank=0))
+            self._restore_hf = patch_hf_init_weights(self._gathered_for_init)
         for cls in classes:
             if self._is_unit_class(cls):
                 self._patch(cls)
@@ -143,7 +143,7 @@ class Init(contextlib.ContextDecorator):
         def init_subclass(cls: type, **kwargs: Any) -> None:
             super(nn.Module, cls).__init_subclass__(**kwargs)
             if init.discover and init._restore_hf is None:  # transformers imported inside the block
-                init._restore_hf = patch_hf_init_weights(lambda params: GatheredParameters(params, modifier_rank=0))
+                init._restore_hf = patch_hf_init_weights(init._gathered_for_init)
             listed = hf_layer_names(cls) - init.names if init.discover else set()
             if listed:  # an HF model class defined in the block: its layer classes (defined before it) too
                 init.names |= listed
@@ -155,6 +155,12 @@ class Init(contextlib.ContextDecorator):
 
         nn.Module.__init_subclass__ = classmethod(init_subclass)
         return self
+
+    def _gathered_for_init(self, params: list) -> GatheredParameters:
+        """``params`` whole, the first rank of the group's values kept (every rank ran the same
+        seeded construction): HF's weight initialization of a unit (`patch_hf_init_weights`)."""
+        first = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        return GatheredParameters(params, modifier_rank=first)
 
     def _patch(self, cls: type) -> None:
         """Wrap ``cls.__init__`` so a unit's parameters are sharded as soon as its (outermost)
