@@ -9,8 +9,9 @@ tachyon: ``AdamW``), micro-batch 4, ``zero_optimization: {"stage": 3}`` (tachyon
 ``shard_module_classes: ["Linear"]``, each Linear a unit, as bench_zero3.py; DeepSpeed shards
 every parameter anyway); with ``--buckets tuned`` also ``reduce_bucket_size`` and
 ``stage3_prefetch_bucket_size`` 200,000 (DeepSpeed's defaults, 5e8 and 5e7 elements, size its
-buffers; tachyon's stage 3 ignores the first and reads the second as prefetch on/off). Each library first builds and steps a small warm-up engine, so its
-one-time global tensors are in the baseline. Two optimizer steps create Adam's state; in the
+buffers; tachyon's stage 3 ignores the first and reads the second as prefetch on/off). Each
+library first builds and steps a small warm-up engine, so its one-time global tensors are in
+the baseline. Two optimizer steps create Adam's state; in the
 third, every live tensor storage of the rank's process that was not alive before the model was
 built (`tachyon.engine.zero.live_tensor_storages`: every tensor the garbage collector tracks and
 the ``.grad`` of leaves, each storage once) is counted at every gradient hook of the backward
@@ -199,7 +200,8 @@ def run(library: str, world: int, width: int, depth: int, buckets: str = "defaul
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, library, width, depth, buckets, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, library, width, depth, buckets, queue))
+             for r in range(world)]
     for p in procs:
         p.start()
     results = dict((r, (ok, value)) for r, ok, value in (queue.get(timeout=1800) for _ in range(world)))
@@ -215,7 +217,8 @@ def run(library: str, world: int, width: int, depth: int, buckets: str = "defaul
             if point not in got["points"]:
                 continue
             kinds = got["points"][point]
-            rows.append({"library": library, "buckets": buckets, "N": world, "rank": rank, "point": point, "params": got["psi"],
+            rows.append({"library": library, "buckets": buckets, "N": world, "rank": rank, "point": point,
+                         "params": got["psi"],
                          "optimizer": got["optimizer"], "total_MB": kinds["total"] / 1e6,
                          "parameters_MB": kinds["parameters"] / 1e6, "master_weights_MB": kinds["master_weights"] / 1e6,
                          "optimizer_states_MB": kinds["optimizer_states"] / 1e6, "other_MB": kinds["other"] / 1e6,

@@ -48,7 +48,8 @@ def _train(stage: int, ckpt: bool, root: str) -> dict:
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
               "zero_optimization": {"stage": stage},
               "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
-              "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": f"{root}/flops-stage{stage}-{int(ckpt)}.txt"},
+              "flops_profiler": {"enabled": True, "profile_step": 1,
+                                 "output_file": f"{root}/flops-stage{stage}-{int(ckpt)}.txt"},
               "activation_checkpointing": {"profile": True}}
     tachyon.checkpointing.reset()
     tachyon.checkpointing.reset_profile()
