@@ -9,9 +9,9 @@
 
 `Init` lets each module be built normally, one at a time, and as soon as the constructor of a
 sharding unit returns (the modules stage 3 shards: tachyon's ``TransformerLayer`` /
-``TransformerKernelLayer`` and the classes named in ``unit_classes`` or the config's
-``zero_optimization.shard_module_classes``; an HF model's decoder layer class must be named
-there, its ``_no_split_modules`` being known only once the model exists), keeps only this
+``TransformerKernelLayer``, the classes named in ``unit_classes`` or the config's
+``zero_optimization.shard_module_classes``, and the layer classes HF model classes list in
+``_no_split_modules`` / ``_can_record_outputs``: `tachyon.engine.zero.hf_units`), keeps only this
 rank's shard of each of its parameters (the rows FSDP2 will give this rank: ``torch.chunk`` of
 dim 0 over the data-parallel ranks) in host memory, and turns the parameter itself into a meta
 tensor (shape and dtype, no storage). The units' ``__init__`` is wrapped for the block's
@@ -25,9 +25,9 @@ alike). `tachyon.initialize` at stage 3 then shards the meta model with FSDP2, a
 this rank's shards on the device and copies the kept values in.
 
 As with DeepSpeed's ``zero.Init``, code that changes a unit's parameter after the unit's
-constructor returned (a parent's constructor re-initializing a child's weights, HF's
-``post_init``) sees a meta tensor and changes nothing: do it inside
-``GatheredParameters(param, modifier_rank=0)``.
+constructor returned (a parent's constructor re-initializing a child's weights) sees a meta
+tensor and changes nothing: do it inside ``GatheredParameters(param, modifier_rank=0)``. HF's
+``post_init`` is handled: its weight initialization runs on each unit gathered, one at a time.
 Module buffers are not sharded (they are small and every rank needs them whole).
 
 `GatheredParameters(params, modifier_rank=None)`: inside the block each given parameter is whole
@@ -56,6 +56,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from tachyon.engine.zero.hf_units import UNIT_MARK, hf_layer_names, patch_hf_init_weights
 
 _LOCAL = "_tachyon_local"
 """Attribute of a meta parameter built under `Init`: this rank's shard (a flat host tensor)."""
@@ -92,10 +94,13 @@ class Init(contextlib.ContextDecorator):
         config: a DeepSpeed-style config (dict or JSON path): its ``zero_optimization``'s
             ``shard_module_classes`` are units too.
         enabled: False makes the block do nothing.
+        discover_hf_layers: also treat as units the layer classes HF model classes list
+            (``_no_split_modules``, ``_can_record_outputs["hidden_states"]``) and initialize HF
+            models' weights layer by layer (`tachyon.engine.zero.hf_units`).
     """
 
     def __init__(self, unit_classes: Any = None, data_parallel_group: Any = None, config: Any = None,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, discover_hf_layers: bool = True) -> None:
         self.enabled = enabled
         self.names = _unit_class_names(unit_classes, config)
         self.group = data_parallel_group
@@ -103,6 +108,8 @@ class Init(contextlib.ContextDecorator):
         self._parents: list[nn.Module] = []
         self._patched: list[tuple[type, Any]] = []
         self._subclass_hook: Any = None
+        self.discover = discover_hf_layers
+        self._restore_hf: Any = None
 
     def _is_unit_class(self, cls: type) -> bool:
         from tachyon.engine.zero.fsdp import _known_unit_classes
@@ -121,7 +128,12 @@ class Init(contextlib.ContextDecorator):
         from torch.nn.modules.module import register_module_module_registration_hook
 
         self._handle = register_module_module_registration_hook(self._on_child)
-        for cls in _subclasses(nn.Module):
+        classes = _subclasses(nn.Module)
+        if self.discover:  # the layer classes HF model classes list (tachyon.engine.zero.hf_units)
+            for cls in classes:
+                self.names |= hf_layer_names(cls)
+            self._restore_hf = patch_hf_init_weights(self._gathered_for_init)
+        for cls in classes:
             if self._is_unit_class(cls):
                 self._patch(cls)
         # unit classes defined (or lazily imported) inside the block
@@ -130,15 +142,31 @@ class Init(contextlib.ContextDecorator):
 
         def init_subclass(cls: type, **kwargs: Any) -> None:
             super(nn.Module, cls).__init_subclass__(**kwargs)
+            if init.discover and init._restore_hf is None:  # transformers imported inside the block
+                init._restore_hf = patch_hf_init_weights(init._gathered_for_init)
+            listed = hf_layer_names(cls) - init.names if init.discover else set()
+            if listed:  # an HF model class defined in the block: its layer classes (defined before it) too
+                init.names |= listed
+                for other in _subclasses(nn.Module):
+                    if other.__name__ in listed:
+                        init._patch(other)
             if init._is_unit_class(cls):
                 init._patch(cls)
 
         nn.Module.__init_subclass__ = classmethod(init_subclass)
         return self
 
+    def _gathered_for_init(self, params: list) -> GatheredParameters:
+        """``params`` whole, the first rank of the group's values kept (every rank ran the same
+        seeded construction): HF's weight initialization of a unit (`patch_hf_init_weights`)."""
+        first = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        return GatheredParameters(params, modifier_rank=first)
+
     def _patch(self, cls: type) -> None:
         """Wrap ``cls.__init__`` so a unit's parameters are sharded as soon as its (outermost)
         constructor returns -- before it is put in a list or attached anywhere."""
+        if any(cls is done for done, _ in self._patched):
+            return
         original = cls.__dict__.get("__init__")
         inherited = cls.__init__
         init = self
@@ -155,6 +183,7 @@ class Init(contextlib.ContextDecorator):
                     module.__dict__.pop("_tachyon_init_depth", None)
             if depth == 0:
                 shard_parameters(module, init.rank, init.world, init.group)
+                object.__setattr__(module, UNIT_MARK, True)
 
         __init__.__wrapped__ = inherited
         cls.__init__ = __init__
@@ -176,6 +205,9 @@ class Init(contextlib.ContextDecorator):
             else:
                 cls.__init__ = original
         self._patched = []
+        if self._restore_hf is not None:
+            self._restore_hf()
+            self._restore_hf = None
         if self._subclass_hook is None:
             del nn.Module.__init_subclass__
         else:

@@ -216,6 +216,67 @@ def test_stage3_holds_16_psi_over_n_and_moves_3_psi_per_step(z3world):
         assert sent[1] == sent[2] == sent[0] and sent["3-offload"] == sent[3], sent
 
 
+@pytest.mark.distributed
+def test_zero_init_finds_hf_layer_classes_without_unit_classes(z3world):
+    """Tiny HF GPT-2 and BERT (configs built offline) under tachyon.zero.Init() with no unit classes
+    named: each GPT2Block / BertLayer is already sharded (meta) when it is attached to its parent,
+    the layer classes being read from the HF classes' _no_split_modules / _can_record_outputs;
+    HF's own weight initialization still reaches the layers (GPT-2's c_proj at 0.02 / sqrt(2 x 2
+    layers) = 0.01, BERT's Linears at 0.02 where torch's default would give ~0.07); and the GPT-2
+    trains at stage 3 (GPT2Block as the unit) to what the same weights reach in one process."""
+    from tests.engine.zero3_hf_cases import train_plain
+
+    _, results, _ = z3world
+    for rank, result in enumerate(results):
+        got = result["hf"]
+        assert got["gpt2"]["layers_meta_when_attached"] == {"GPT2Block.0": True, "GPT2Block.1": True}
+        assert got["bert"]["layers_meta_when_attached"] == {"BertLayer.0": True, "BertLayer.1": True}
+        assert got["gpt2"]["all_meta"] and got["bert"]["all_meta"]
+        init = got["gpt2"]["init"]
+        assert 0.018 < init["c_attn"] < 0.022 and 0.008 < init["c_proj"] < 0.012, init
+        init = got["bert"]["init"]
+        assert 0.018 < init["query"] < 0.022 and 0.018 < init["dense"] < 0.022, init
+        assert "FSDPGPT2Block" in got["gpt2"]["units"]  # FSDP2 names the sharded class FSDP<class>
+    initial = results[0]["hf"]["gpt2"]["initial"]
+    assert all(torch.equal(initial[k], v) for k, v in results[1]["hf"]["gpt2"]["initial"].items())
+    want = train_plain(initial)
+    for rank, result in enumerate(results):
+        for name, value in result["hf"]["gpt2"]["final"].items():
+            assert not torch.equal(value, initial[name]) or name.endswith("bias"), name
+            assert_close(value, want[name], rtol=FP32_RTOL, atol=FP32_ATOL, name=f"GPT-2 rank {rank} {name}")
+
+
+# ---------------------------------------------------------------------- composition
+@pytest.mark.distributed
+def test_stage3_composes_with_activation_checkpointing_and_the_flops_profiler(z3world):
+    """Two TransformerLayers (stage-3 units) and a head, 3 SGD steps on 2 ranks, every layer under
+    tachyon.checkpointing.checkpoint (configured from the engine config's activation_checkpointing
+    section; FSDP2 gathers each layer again for its recomputation) and the flops profiler on at
+    step 1: stage 3 ends with stage 2's parameters (fp32 within 1e-5) and losses, recomputes each
+    layer once per step as stage 2 does, and profiles the same parameter count (whole
+    parameters, not shards), FLOPs and MACs, forward and backward (the recomputed forwards in
+    the backward's count at both stages)."""
+    _, results, _ = z3world
+    for rank, result in enumerate(results):
+        got = result["compose"]
+        base, run = got[2], got[3]
+        assert (base["stage"], run["stage"]) == (2, 3)
+        assert run["recomputes"] == base["recomputes"] == 2 * 3  # 2 layers x 3 steps
+        assert base["moved"] > 1e-3  # training changed the parameters
+        assert run["params"].keys() == base["params"].keys()
+        for key, want in base["params"].items():
+            assert_close(run["params"][key], want, rtol=FP32_RTOL, atol=FP32_ATOL, name=f"stage 3 rank {rank} {key}")
+        assert_close(torch.tensor(run["losses"]), torch.tensor(base["losses"]), rtol=FP32_RTOL, atol=FP32_ATOL,
+                     name=f"stage 3 rank {rank} losses")
+        if rank != 0:  # the profiler runs on global rank 0
+            assert base["profile"] is None and run["profile"] is None
+            continue
+        assert run["profile"] == base["profile"], (run["profile"], base["profile"])
+        assert run["profile"]["params"] == sum(p.numel() for p in base["params"].values())
+        # backward ~2x the forward, plus the recomputed forward: ~3x
+        assert run["profile"]["fwd_flops"] > 0 and run["profile"]["bwd_flops"] > 2.5 * run["profile"]["fwd_flops"]
+
+
 # ---------------------------------------------------------------------- refusals
 def _config(**zero) -> dict:
     return {"train_batch_size": 4, "zero_optimization": {"stage": 3, **zero}}

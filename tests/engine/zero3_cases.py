@@ -11,6 +11,8 @@ import dataclasses
 
 import torch
 
+from tests.engine.zero3_compose_cases import compose_scenarios
+from tests.engine.zero3_hf_cases import hf_scenarios
 from tests.engine.zero_cases import (
     DTYPES,
     LR,
@@ -212,7 +214,8 @@ def frozen_round_trip(root: str, rank: int, world: int) -> dict:
 def rank_main(cases: list[Z3Case], root: str) -> dict:
     """Everything the 2-rank stage 3 tests check, in ONE launch (spawning ranks costs seconds)."""
     return {"cases": run_z3_cases(cases), "ckpt": checkpoint_scenarios(root), "init": init_scenarios(),
-            "accounting": accounting_scenarios()}
+            "accounting": accounting_scenarios(), "compose": compose_scenarios(root),
+            "hf": hf_scenarios()}
 
 
 def save_on_ranks(root: str) -> list:

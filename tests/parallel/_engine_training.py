@@ -119,15 +119,38 @@ def run_gpt(model, engine, steps) -> dict:
     for step in steps:
         _gpt_step(engine, step, dp, dp_rank, gas)
         norms.append(engine.get_global_grad_norm())
-    state = full_state_dict(model, tp_group(mesh)) if mesh is not None else model.state_dict()
+    if engine.zero_optimization_stage() == 3:
+        state = _stage3_full_state(model, tp_group(mesh) if mesh is not None else None)
+    else:
+        state = full_state_dict(model, tp_group(mesh)) if mesh is not None else model.state_dict()
     names = {name for name, _ in model.named_parameters()}
+    stage3 = engine.zero_optimization_stage() == 3
     return {"state": {k: state[k].detach().float().clone() for k in names}, "norms": norms,
             "global_steps": engine.global_steps,
             "sizes": tuple(mesh.size(a) if mesh is not None else (dp if a == "dp" else 1) for a in ("dp", "pp", "tp")),
             "dp_size": dp, "num_params": engine.zero.flat.num_params, "padded": engine.zero.flat.numel,
+            "stage": engine.zero_optimization_stage(),
+            "local_numel": sum((p.to_local() if stage3 else p).numel() for p in model.parameters()),
             "parameter_bytes": engine.memory_breakdown()["parameters"], "skipped": engine.skipped_steps,
             "batch": (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
                       engine.gradient_accumulation_steps())}
+
+
+def _stage3_full_state(model, tp) -> dict[str, torch.Tensor]:
+    """Every parameter of a stage-3 model at its full shape on every rank: FSDP2's dim-0 shards
+    gathered over dp (``full_tensor``), then the tensor-parallel slices over tp (collectives)."""
+    from tachyon.parallel.tensor.shard import shard_spec, unshard_tensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        value = p.full_tensor().detach()
+        spec = shard_spec(p)
+        if spec is not None and tp is not None and tp.size > 1:
+            shards = [torch.empty_like(value) for _ in range(tp.size)]
+            dist.all_gather(shards, value.contiguous(), group=tp.group)
+            value = unshard_tensor(shards, spec)
+        out[name] = value
+    return out
 
 
 def train_gpt(**kw) -> dict:

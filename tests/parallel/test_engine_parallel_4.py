@@ -1,6 +1,6 @@
-"""3-D layouts through ``tachyon.initialize`` on 4 gloo ranks: DPxTP = 2x2 with ZeRO-1 and
-ZeRO-2, DPxPP = 2x2 with ZeRO-1 (1F1B and GPipe), PPxTP = 2x2, each equal to single-process
-training after 5 steps (1e-5 relative, fp32); the data-parallel bytes of a DPxPP step; and
+"""3-D layouts through ``tachyon.initialize`` on 4 gloo ranks: DPxTP = 2x2 with ZeRO-1, ZeRO-2
+and ZeRO-3 (FSDP2 over dp, tensor parallelism over tp), DPxPP = 2x2 with ZeRO-1 (1F1B and
+GPipe), PPxTP = 2x2, each equal to single-process training after 5 steps (1e-5 relative, fp32); the data-parallel bytes of a DPxPP step; and
 checkpoints saved with one (dp, pp, tp) layout and loaded with another: 2x2 saved after 3 steps,
 loaded at 4x1x1 (4 ranks, another ZeRO stage) and at 1x1x1 (this process), then trained to
 step 5, ending where uninterrupted single-process training ends."""
@@ -45,7 +45,7 @@ def _resume_pipeline(directory: str, gas: int, **kw) -> dict:
 
 def _four_ranks(directory: str) -> dict:
     out: dict = {}
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         out[f"dp2_tp2_zero{stage}"] = E.train_gpt(tp=2, stage=stage)
     for schedule in ("1F1B", "GPipe"):
         out[f"dp2_pp2_{schedule}"] = E.train_pipeline(2, schedule, gas=MICRO, stage=1)
@@ -86,6 +86,7 @@ def initial():
 
 
 @pytest.mark.parametrize(("layout", "sizes"), [("dp2_tp2_zero1", (2, 1, 2)), ("dp2_tp2_zero2", (2, 1, 2)),
+                                               ("dp2_tp2_zero3", (2, 1, 2)),
                                                ("dp2_pp2_1F1B", None), ("dp2_pp2_GPipe", None), ("pp2_tp2", None)])
 def test_2x2_layouts_train_like_one_process(ranks, reference, initial, layout, sizes):
     """Same parameters and global gradient norms as single-process training after 5 steps; the
@@ -99,6 +100,17 @@ def test_2x2_layouts_train_like_one_process(ranks, reference, initial, layout, s
                      name=f"{layout} rank {rank}: global grad norms")
         for key, copies in got.get("tied", {}).items():
             assert len(copies) == 2 and torch.equal(copies[0], copies[1]), f"{layout} rank {rank}: {key} differs"
+
+
+def test_dp2_tp2_stage3_shards_each_tensor_parallel_slice_over_dp(ranks):
+    """ZeRO-3 on the 2x2 DPxTP layout: FSDP2 shards each tensor-parallel rank's slice of the model
+    over the data-parallel axis, so the 4 ranks hold every tp slice's parameters exactly once per
+    tp rank (2 x one tp rank's count in all), each about half of a tp rank's count."""
+    per_tp_rank = E.split_parameter_count(2)
+    held = [result["dp2_tp2_zero3"]["local_numel"] for result in ranks]
+    assert all(result["dp2_tp2_zero3"]["stage"] == 3 for result in ranks)
+    assert sum(held) == 2 * per_tp_rank, (held, per_tp_rank)
+    assert all(0.4 * per_tp_rank < n < 0.6 * per_tp_rank for n in held), (held, per_tp_rank)
 
 
 def test_dp2_pp2_step_moves_the_analytic_bytes(ranks):

@@ -1,5 +1,6 @@
 """``tachyon train --zero N [--offload]``: the engine section's ZeRO stage and optimizer offload
-set from the command line, and the GPT job trained at stage 3 with offload (slow: two launches)."""
+set from the command line; the GPT job trained at stage 3 with offload and the BERT job at
+stage 3, each against stage 2 (slow: two launches each)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,33 @@ def test_the_gpt_job_trains_at_stage_3_with_offload_like_stage_2(tmp_path):
     assert len(losses["z3"]) == 2 + JOB["steps"]
     for got, want in zip(losses["z3"], losses["z2"]):
         assert math.isclose(got, want, rel_tol=RTOL), losses
+
+
+BERT_JOB = {
+    "model": "bert", "tokenizer": "byte", "hidden_size": 32, "num_layers": 2, "num_heads": 2, "seq_len": 32,
+    "mask_prob": 0.3, "hidden_dropout": 0.0, "attention_dropout": 0.0, "steps": 6, "checkpoint_interval": 0,
+    "eval_interval": 3, "eval_batches": 2, "examples": 1, "nproc": 2, "precision": "fp32", "seed": 0,
+    "engine": {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+               "steps_per_print": 100, "optimizer": {"type": "AdamW", "params": {"lr": 5e-3, "weight_decay": 0.01}},
+               "zero_optimization": {"stage": 2}},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_bert_job_trains_at_stage_3_like_stage_2(tmp_path):
+    """The BERT masked-LM job (the examples' model at a small size; fused TransformerKernelLayers, the
+    stage-3 units) on 2 processes, 6 steps, fp32: `--zero 3` runs, its training loss falls, and
+    its training and validation losses are stage 2's (the same samples; only the sums' order
+    differs)."""
+    config = tmp_path / "bert.json"
+    config.write_text(json.dumps(BERT_JOB))
+    outputs = {}
+    for name, flags in (("z2", ("--zero", "2")), ("z3", ("--zero", "3"))):
+        outputs[name] = run_train(str(config), "--output-dir", str(tmp_path / name), "--no-progress", *flags)
+    assert "ZeRO stage 3" in outputs["z3"] and "ZeRO stage 2" in outputs["z2"]
+    train = {name: [row["loss"] for row in read_metrics(tmp_path / name / "metrics.csv")] for name in outputs}
+    validation = {name: [row["loss"] for row in read_metrics(tmp_path / name / "validation.csv")] for name in outputs}
+    assert len(train["z3"]) == BERT_JOB["steps"] and train["z3"][-1] < train["z3"][0], train
+    for got, want in zip(train["z3"] + validation["z3"], train["z2"] + validation["z2"]):
+        assert math.isclose(got, want, rel_tol=RTOL), (train, validation)
