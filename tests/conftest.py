@@ -23,12 +23,26 @@ if _XDIST_WORKERS > 1:
 
 
 def pytest_collection_modifyitems(config, items):
+    _multi_process_files_first(items)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (this machine has none); run by benchmarks/gpu.sh")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _multi_process_files_first(items) -> None:
+    """Files with multi-process (``distributed``) tests run first, each file's tests together and in
+    their order. Under `make test`'s pytest-xdist workers (one file per worker at a time) the long
+    multi-process files then start early and the many short single-process files fill the workers
+    at the end, instead of one long file running alone at the end of the run."""
+    files: dict[str, bool] = {}
+    for item in items:
+        files[item.nodeid.split("::")[0]] = files.get(item.nodeid.split("::")[0], False) or (
+            item.get_closest_marker("distributed") is not None)
+    rank = {name: (not multi, i) for i, (name, multi) in enumerate(files.items())}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
 
 
 def pytest_runtest_logreport(report):
