@@ -19,6 +19,13 @@ import torch
 import tachyon
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """The test polls these files: a reader sees the old text or the new, never an empty file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def main() -> None:
     out, preemption = Path(sys.argv[1]), sys.argv[2] == "on"
     torch.set_num_threads(1)
@@ -30,13 +37,13 @@ def main() -> None:
         config["preemption"] = {"enabled": True, "save_dir": str(out / "ckpt")}
     engine, _, _, _ = tachyon.initialize(model=model, config=config)
     rank = engine.world_comm.rank
-    (out / f"pid_{rank}").write_text(str(os.getpid()))
+    _write_atomically(out / f"pid_{rank}", str(os.getpid()))
     gen = torch.Generator().manual_seed(rank)
     for _ in range(10_000):
         x = torch.randn(2, 4, generator=gen)
         engine.backward(engine(x).square().mean())
         engine.step()
-        (out / f"step_{rank}").write_text(str(engine.global_steps))
+        _write_atomically(out / f"step_{rank}", str(engine.global_steps))
         time.sleep(0.05)
 
 

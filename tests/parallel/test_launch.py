@@ -167,6 +167,12 @@ def test_a_missing_script_is_refused_before_torchrun_starts(monkeypatch, capsys,
     assert f"script not found: {str(tmp_path / 'missing.py')!r}" in capsys.readouterr().err
 
 
+def _count(path: Path) -> int:
+    """The step count a rank last wrote (0 before its first write)."""
+    text = path.read_text().strip() if path.is_file() else ""
+    return int(text) if text else 0
+
+
 def _launch_and_signal(tmp_path, preemption: str, sig: int) -> tuple[subprocess.CompletedProcess, list[int]]:
     """tachyon launch of _signal_script.py on 2 ranks; once both ranks stepped 3 times, ``sig`` to
     the launcher alone (its own session, so no terminal group gets it). Returns the launcher's
@@ -181,7 +187,7 @@ def _launch_and_signal(tmp_path, preemption: str, sig: int) -> tuple[subprocess.
                             text=True, start_new_session=True)
     deadline = time.monotonic() + 180
     steps = [tmp_path / f"step_{r}" for r in (0, 1)]
-    while not all(p.is_file() and p.read_text().strip() and int(p.read_text()) >= 3 for p in steps):
+    while not all(_count(p) >= 3 for p in steps):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             out, err = proc.communicate()
