@@ -139,6 +139,28 @@ def test_graphed_transformer_layer_with_fp8_equals_eager_including_scales(recipe
 
 
 @pytest.mark.gpu
+def test_auto_chooses_by_gpu_time_inside_the_graph_and_by_eager_time_outside():
+    """tachyon.kernels.dispatch on an sm_90 GPU: bf16 LayerNorm at width 1024 is torch's op eagerly
+    and the Triton kernel in a graph (measured faster there); each bit for bit its implementation."""
+    from tachyon.kernels import dispatch
+    from tachyon.kernels.layernorm import layer_norm
+
+    if dispatch.arch_of(torch.empty(0, device="cuda")) != "sm_90":
+        pytest.skip("the measured table covers sm_90")
+    norm = tachyon.nn.LayerNorm(1024, params_dtype=torch.bfloat16).cuda()
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.normal_()
+        kernel = layer_norm(x, norm.weight, norm.bias, backend="triton")
+        twin = torch.nn.functional.layer_norm(x, (1024,), norm.weight, norm.bias, norm.eps)
+    assert not torch.equal(kernel, twin)  # told apart by their rounding
+    assert torch.equal(norm(x).detach(), twin)
+    graphed = make_graphed_callables(norm, (x.detach().clone().requires_grad_(),))
+    assert torch.equal(graphed(x).detach(), kernel)
+
+
+@pytest.mark.gpu
 def test_graphed_function_and_shape_checks():
     w = torch.randn(8, 8, device="cuda", requires_grad=True)
 

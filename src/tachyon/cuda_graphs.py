@@ -21,7 +21,11 @@ How it runs, per callable (in the order given, sharing one memory pool):
 2. ``num_warmup_iters`` forwards and backwards (``torch.autograd.grad``, so no ``.grad`` is
    touched) on a side stream: Triton compiles and autotunes, cuBLAS picks its algorithms,
    tachyon's launch caches fill;
-3. the forward graphs in order, then the backward graphs in reverse order (one memory pool);
+3. the forward graphs in order, then the backward graphs in reverse order (one memory pool).
+   Warm-up and capture run under ``tachyon.kernels.dispatch.graph_capture_choices()``: where
+   ``backend="auto"`` chooses between a Triton kernel and its torch twin, it chooses by GPU time
+   (what a replay costs), not by eager time, so a graph may hold a different (faster when replayed)
+   implementation than the same module runs eagerly; results agree to rounding;
 4. the modules' buffers (e.g. the BERT layer's dropout counter), FP8 scaling state (amax
    histories, scales) and the CUDA RNG state are restored to what they were before step 2, so
    the warm-up leaves no trace: the first replay computes what the first eager call would have.
@@ -58,6 +62,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tachyon.kernels import dispatch
 
 PLD_KWARGS = ("progressive_layer_drop", "pld_theta")
 
@@ -353,19 +359,21 @@ def make_graphed_callables(
             per[variant] = _Captured(in_autocast(c), args, kw, params)
         captures.append(per)
     torch.cuda.synchronize()
-    with torch.cuda.stream(torch.cuda.Stream()):
+    # backend "auto" picks, in warm-up and capture alike, what is fastest when replayed (GPU time alone)
+    with dispatch.graph_capture_choices():
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for per in captures:
+                for cap in per.values():
+                    cap.warm_up(num_warmup_iters, training, allow_unused_input)
+        torch.cuda.synchronize()
+        snapshot.restore()  # the captures start from the state before warm-up (their effects replay at each call)
         for per in captures:
             for cap in per.values():
-                cap.warm_up(num_warmup_iters, training, allow_unused_input)
-    torch.cuda.synchronize()
-    snapshot.restore()  # the captures start from the state before warm-up (their effects replay at each call)
-    for per in captures:
-        for cap in per.values():
-            cap.capture_forward(mempool)
-    for per in reversed(captures):
-        for cap in reversed(list(per.values())):
-            cap.capture_backward(mempool, training, allow_unused_input, retain_graph_in_backward, uses_fp8)
-    torch.cuda.synchronize()
+                cap.capture_forward(mempool)
+        for per in reversed(captures):
+            for cap in reversed(list(per.values())):
+                cap.capture_backward(mempool, training, allow_unused_input, retain_graph_in_backward, uses_fp8)
+        torch.cuda.synchronize()
     results = []
     for c, per in zip(callables, captures):
         replayer = _Replayer(per, fp8_weight_caching)

@@ -23,58 +23,91 @@ from tachyon.kernels.layernorm import op as norm_op
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
-def _table_rows(path: Path) -> list[list[str]]:
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.startswith("|") and not set(line) <= set("|- "):
-            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
-    return rows
+def _tables(path: Path) -> list[tuple[list[str], list[list[str]]]]:
+    """Every markdown table in the file: (header cells, body rows)."""
+    tables, header, body = [], None, []
+    for line in path.read_text().splitlines() + [""]:
+        if line.startswith("|"):
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if set(line) <= set("|- "):
+                continue
+            if header is None:
+                header = cells
+            else:
+                body.append(cells)
+        elif header is not None:
+            tables.append((header, body))
+            header, body = None, []
+    return tables
 
 
-def _median(rows: list[list[str]], row: dispatch.Row) -> float:
-    """The median_ms cell of the one results row whose leading cells are ``row.cells``."""
-    found = [r for r in rows if tuple(r[: len(row.cells)]) == row.cells]
-    assert len(found) == 1, f"{row.cells}: {len(found)} rows in the results file"
-    return float(found[0][len(row.cells)])  # median_ms follows the identifying cells in both tables
+def _cited(path: Path, row: dispatch.Row) -> dict[str, float]:
+    """The timing cells (by column name) of the one results row whose leading cells are ``row.cells``."""
+    found = [(header, r) for header, body in _tables(path) for r in body if tuple(r[: len(row.cells)]) == row.cells]
+    assert len(found) == 1, f"{row.cells}: {len(found)} rows in {path.name}"
+    header, cells = found[0]
+    return {name: float(cells[header.index(name)]) for name in ("median_ms", "p20_ms", "p80_ms", "graph_ms")}
 
 
 @pytest.mark.parametrize("choice", dispatch.TABLE, ids=lambda c: f"{c.op}-{c.arch}-{c.dtype}-{c.shape_class}")
-def test_every_choice_cites_measured_rows_and_picks_the_faster(choice):
+def test_every_choice_cites_measured_rows_and_picks_the_clearly_faster(choice):
     path = RESULTS / choice.results
     assert path.is_file(), f"{choice.results} is not a committed results file"
-    rows = _table_rows(path)
-    assert choice.evidence, "a choice without evidence"
+    assert sorted(e.mode for e in choice.evidence) == [dispatch.FWD, dispatch.FWD_BWD]
     for evidence in choice.evidence:
-        assert _median(rows, evidence.triton) == evidence.triton.median_ms
-        assert _median(rows, evidence.twin) == evidence.twin.median_ms
-        faster = dispatch.TRITON if evidence.triton.median_ms < evidence.twin.median_ms else dispatch.TWIN
-        assert faster == choice.impl, f"{choice.line()}: {evidence.mode} measured {faster} faster"
+        kernel, twin = _cited(path, evidence.triton), _cited(path, evidence.twin)
+        for row, cells in ((evidence.triton, kernel), (evidence.twin, twin)):
+            assert (row.median_ms, row.p20_ms, row.p80_ms, row.graph_ms) == (
+                cells["median_ms"], cells["p20_ms"], cells["p80_ms"], cells["graph_ms"]), row.cells
+        # the rule, from the file's numbers: eager only without overlap, graphed by 3% or more
+        eager = dispatch.TRITON if kernel["p80_ms"] < twin["p20_ms"] else dispatch.TWIN
+        graph = dispatch.TRITON if kernel["graph_ms"] < 0.97 * twin["graph_ms"] else dispatch.TWIN
+        assert choice.impl(evidence.mode, dispatch.EAGER) == eager, choice.line()
+        assert choice.impl(evidence.mode, dispatch.GRAPH) == graph, choice.line()
 
 
-def test_triton_is_chosen_only_where_measured():
-    triton_rows = [c for c in dispatch.TABLE if c.impl == dispatch.TRITON]
-    assert triton_rows and all(c.evidence for c in triton_rows)
+def test_the_choice_depends_on_the_calls_mode_and_timing():
     like = torch.empty(0, dtype=torch.bfloat16)
-    causal = dispatch.attention_class(True, 2048, 2048, 128)
-    assert causal == "causal s<=2048 d128" and dispatch.attention_class(True, 1500, 1500, 128) == causal
+    bert, gpt = dispatch.attention_class(False, 512, 512, 64), dispatch.attention_class(True, 2048, 2048, 128)
+    assert gpt == "causal s<=2048 d128" and dispatch.attention_class(True, 1500, 1500, 128) == gpt
     original = dispatch.arch_of
     try:
         dispatch.arch_of = lambda t: "sm_90"
-        assert dispatch.choose("attention", like, causal) == dispatch.TRITON
-        assert dispatch.choose("attention", like.half(), causal) == dispatch.TWIN  # fp16 not measured
-        assert dispatch.choose("attention", like, dispatch.attention_class(True, 4096, 4096, 128)) == dispatch.TWIN
-        assert dispatch.choose("layer_norm", like, dispatch.norm_class(1024)) == dispatch.TWIN  # measured slower
+        # H100: the kernel's GPU time is lower, its eager fwd+bwd (host-bound) higher than SDPA's
+        assert dispatch.choose("attention", like, bert, backward=False) == dispatch.TRITON
+        assert dispatch.choose("attention", like, bert, backward=True) == dispatch.TWIN
+        assert dispatch.choose("attention", like, gpt, backward=True) == dispatch.TRITON
+        ln = dispatch.norm_class(1024)
+        assert dispatch.choose("layer_norm", like, ln, backward=True) == dispatch.TWIN
+        assert dispatch.choose("layer_norm", like, ln, backward=False) == dispatch.TWIN
+        assert dispatch.timing() == dispatch.EAGER
+        with dispatch.graph_capture_choices():
+            assert dispatch.timing() == dispatch.GRAPH
+            assert dispatch.choose("layer_norm", like, ln, backward=True) == dispatch.TRITON
+            assert dispatch.choose("attention", like, bert, backward=True) == dispatch.TRITON
+            assert dispatch.choose("attention", like.half(), gpt, backward=True) == dispatch.TWIN  # not measured
+        assert dispatch.timing() == dispatch.EAGER
+        assert dispatch.choose("attention", like, dispatch.attention_class(True, 4096, 4096, 128), True) == dispatch.TWIN
         dispatch.arch_of = lambda t: "sm_80"  # nothing measured on it
-        assert dispatch.choose("attention", like, causal) == dispatch.TWIN
+        assert dispatch.choose("attention", like, gpt, backward=True) == dispatch.TWIN
+        with dispatch.graph_capture_choices():
+            assert dispatch.choose("layer_norm", like, ln, backward=True) == dispatch.TWIN
     finally:
         dispatch.arch_of = original
     assert dispatch.norm_class(1024) == "n<=1024" and dispatch.norm_class(1025) == "n<=2048"
 
 
+def test_needs_backward_follows_grad_mode_and_requires_grad():
+    a, b = torch.ones(2), torch.ones(2, requires_grad=True)
+    assert not dispatch.needs_backward(a, None) and dispatch.needs_backward(a, b)
+    with torch.no_grad():
+        assert not dispatch.needs_backward(a, b)
+
+
 def test_describe_lists_this_gpus_rows_first():
     lines = dispatch.describe("sm_90")
     assert "this GPU is sm_90" in lines[0] and len(lines) == len(dispatch.TABLE) + 2
-    assert all("sm_90" in line for line in lines[1:-1])
+    assert all("sm_90" in line and "fwd+bwd/graph=" in line for line in lines[1:-1])
     assert "nothing measured on it" in dispatch.describe("sm_100")[0]
 
 
@@ -89,7 +122,7 @@ def on_sm90(monkeypatch):
         monkeypatch.setattr(module, "auto_on_cuda", lambda t, backend: backend in (None, "auto"))
     monkeypatch.setattr(dispatch, "arch_of", lambda t: "sm_90")
     real = dispatch.choose
-    monkeypatch.setattr(dispatch, "choose", lambda op, t, cls: table.get(op) or real(op, t, cls))
+    monkeypatch.setattr(dispatch, "choose", lambda op, t, cls, backward: table.get(op) or real(op, t, cls, backward))
     return table
 
 
@@ -157,3 +190,20 @@ def test_attention_takes_sdpa_only_without_dropout_and_padding(on_sm90):
                        attention_op.attention(q, k, v, key_padding_bias=bias, backend="triton"))
     on_sm90["attention"] = dispatch.TRITON  # measured faster: the kernel
     assert torch.equal(attention_op.attention(q, k, v), attention_op.attention(q, k, v, backend="triton"))
+
+
+def test_norms_follow_the_measured_table_by_mode_and_timing(on_sm90):
+    """The real table (no override): bf16 LayerNorm at width 1024 takes torch's op eagerly and the kernel
+    under graph_capture_choices; fp16 RMSNorm at width 1024 takes the kernel for a forward alone."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 1024, dtype=torch.bfloat16), torch.rand(1024, dtype=torch.bfloat16) + 0.5, \
+        torch.randn(1024, dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_(True)
+    twin, kernel = F.layer_norm(x, (1024,), w, b), norm_op.layer_norm(x, w, b, backend="triton")
+    assert not torch.equal(twin, kernel)  # the two implementations are told apart by their rounding
+    assert torch.equal(norm_op.layer_norm(xg, w, b), twin)
+    with dispatch.graph_capture_choices():
+        assert torch.equal(norm_op.layer_norm(xg, w, b), kernel)
+    xh, wh = x.half(), w.half()
+    assert torch.equal(norm_op.rms_norm(xh, wh), norm_op.rms_norm(xh, wh, backend="triton"))  # forward alone
+    assert torch.equal(norm_op.rms_norm(xh.requires_grad_(True), wh), F.rms_norm(xh, (1024,), wh, 1e-6))

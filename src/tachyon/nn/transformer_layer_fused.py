@@ -150,7 +150,8 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
             be_attn == "triton" and d > MAX_TRITON_HEAD_DIM):
         return None  # the module path raises
     norm_twin = be_norm == "triton" and auto_on_cuda(x, qkv.backend) and _twin_applies(x, ln_w, ln_b, None) and (
-        dispatch.choose("rms_norm" if rms else "layer_norm", x, dispatch.norm_class(n)) == dispatch.TWIN)
+        dispatch.choose("rms_norm" if rms else "layer_norm", x, dispatch.norm_class(n),
+                        dispatch.needs_backward(x, ln_w, ln_b)) == dispatch.TWIN)
     if norm_twin and rms:
         return None  # torch's RMSNorm there: the module path
     return Plan(

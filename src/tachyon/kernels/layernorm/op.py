@@ -171,7 +171,8 @@ def _fused_norm(
         raise ValueError(f"{op}: eps must be >= 0; got {eps}")
     chosen = resolve(x, backend)
     if chosen == "triton" and auto_on_cuda(x, backend) and _twin_applies(x, weight, bias, residual) \
-            and dispatch.choose(op, x, dispatch.norm_class(n)) == dispatch.TWIN:
+            and dispatch.choose(op, x, dispatch.norm_class(n), dispatch.needs_backward(x, weight, bias, residual)) \
+            == dispatch.TWIN:
         return _torch_twin(x, weight, bias, residual, eps, is_rms, return_residual)
     if chosen == "triton" and n > MAX_TRITON_N:
         raise ValueError(f"{op}: the Triton kernel handles rows of up to {MAX_TRITON_N} elements; got {n} (use backend='torch')")
