@@ -1,11 +1,14 @@
-"""The PyTorch Philox equals Triton's tl.rand bit for bit, so both paths drop the same elements."""
+"""The PyTorch Philox equals Triton's bit for bit (tl.rand; the dropout mask's eight 16-bit draws per
+tl.randint4x call), so both paths drop the same elements."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tachyon.kernels.random import dropout_keep_mask, rand
+from tachyon.kernels.random import (
+    dropout_draws, dropout_keep_mask, dropout_keep_rows, dropout_threshold, philox4, philox_randint, rand,
+)
 
 
 @pytest.mark.parametrize("seed", [0, 1234, 2**40 + 7])
@@ -28,8 +31,48 @@ def test_tensor_seed_gives_the_same_numbers_as_the_int(seed):
     assert torch.equal(rand(torch.tensor(seed), offsets), want), "reference: tensor seed != int seed"
     got = tri.rand(torch.tensor(seed), 1500, offset=77)
     assert torch.equal(got, want), f"triton tensor seed: {int((got != want).sum())} of 1500 values differ"
-    assert torch.equal(dropout_keep_mask(torch.tensor(seed), (30, 50), 0.3, offset=77),
-                       dropout_keep_mask(seed, (30, 50), 0.3, offset=77))
+    assert torch.equal(dropout_keep_mask(torch.tensor(seed), (30, 50), 0.3, row_offset=77),
+                       dropout_keep_mask(seed, (30, 50), 0.3, row_offset=77))
+    got = tri.keep_mask(torch.tensor(seed), 30, 50, 0.3, row0=77)
+    assert torch.equal(got, dropout_keep_mask(seed, (30, 50), 0.3, row_offset=77)), "triton mask, tensor seed"
+
+
+@pytest.mark.parametrize("seed", [0, 99, 2**40 + 7])
+@pytest.mark.parametrize("m,n,row0", [(5, 37, 0), (9, 64, 11), (3, 8, 2), (4, 100, 1000), (2, 3, 5)])
+def test_the_dropout_mask_of_the_triton_tiles_is_the_references(seed, m, n, row0):
+    """keep_tile (2-D tiles, columns in blocks of 32) and keep_row (one row per program) against
+    dropout_keep_rows, for row lengths that are and are not multiples of 8."""
+    from tachyon.kernels.random import triton as tri
+
+    want = dropout_keep_rows(seed, torch.arange(row0, row0 + m), n, 0.3)
+    assert torch.equal(tri.keep_mask(seed, m, n, 0.3, row0=row0), want)
+    assert torch.equal(tri.keep_mask(seed, m, n, 0.3, row0=row0, row=True), want)
+
+
+def test_the_dropout_draws_are_philoxs_outputs_split_in_16_bit_halves():
+    """Independently of dropout_draws' reshapes: element (r, c) of an n-column mask is half c % 2 of
+    Philox output (c % 8) // 2 at counter r * cdiv(n, 8) + c // 8; output 0 is tl.randint's."""
+    seed, n = 1234, 21
+    draws = dropout_draws(seed, torch.arange(3, 7), n)
+    groups = 3  # cdiv(21, 8)
+    for r in range(3, 7):
+        for c in range(n):
+            word = philox4(seed, torch.tensor([r * groups + c // 8]))[(c % 8) // 2].item()
+            assert draws[r - 3, c].item() == (word >> (16 * (c % 2))) & 0xFFFF, (r, c)
+    counters = torch.arange(500)
+    assert torch.equal(philox4(seed, counters)[0], philox_randint(seed, counters))
+
+
+def test_the_threshold_gives_p_in_steps_of_a_65536th():
+    assert [dropout_threshold(p) for p in (0.0, 0.1, 0.5, 1.0)] == [0, 6554, 32768, 65536]
+    keep = dropout_keep_mask(7, (2000, 1000), 0.1)
+    rate = 1 - keep.float().mean().item()
+    assert abs(rate - 6554 / 65536) < 3e-3, rate  # 2e6 Bernoulli draws: sd 2e-4
+    assert dropout_keep_mask(7, (3, 40), 0.0).all() and not dropout_keep_mask(7, (3, 40), 1.0).any()
+    # neighbouring elements use different halves and words: no two columns of a row agree throughout
+    cols = dropout_keep_mask(3, (4000, 16), 0.5)
+    agree = (cols[:, :, None] == cols[:, None, :]).float().mean(0)
+    assert (agree - torch.eye(16) * 0.5).max().item() < 0.55, "columns correlated"
 
 
 def test_check_seed_names_the_argument_and_the_allowed_forms():

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tachyon.kernels.random import rand
+from tachyon.kernels.random import dropout_keep_mask
 from tachyon.nn import TransformerKernelConfig, TransformerKernelLayer
 from tachyon.nn.transformer_kernel import _kernels, saved_tensor_bytes
 from tests.nn.test_transformer_layer import _seed_with_draw
@@ -224,13 +224,14 @@ def test_masks_read_by_the_wrong_convention_are_refused(name, make, match):
 def _site_masks(layer, batch, seq, call):
     """The keep masks of the layer's three dropout sites in its forward number ``call``,
     regenerated from the documented convention: seed = dropout_seed(layer seed, layer_id, call,
-    site), keep = rand(seed, flat index) > p."""
+    site), keep = tachyon.kernels.random.dropout_keep_mask(seed, shape, p) (the scores as rows of seq
+    keys, the hidden states as rows of hidden_size)."""
     c = layer.config
     seed = [_kernels.dropout_seed(layer.dropout_seed, layer.layer_id, call, site) for site in range(3)]
-    att = torch.arange(batch * c.heads * seq * seq).view(batch, c.heads, seq, seq)
-    hid = torch.arange(batch * seq * c.hidden_size).view(batch, seq, c.hidden_size)
+    att, hid = (batch, c.heads, seq, seq), (batch, seq, c.hidden_size)
     pa, ph = c.attn_dropout_ratio, c.hidden_dropout_ratio
-    return {0: (rand(seed[0], att) > pa, pa), 1: (rand(seed[1], hid) > ph, ph), 2: (rand(seed[2], hid) > ph, ph)}
+    return {0: (dropout_keep_mask(seed[0], att, pa), pa), 1: (dropout_keep_mask(seed[1], hid, ph), ph),
+            2: (dropout_keep_mask(seed[2], hid, ph), ph)}
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -60,21 +60,24 @@ def assert_close_to_reference(
     fp32_reference: torch.Tensor,
     *,
     name: str = "tensor",
+    inherent: float = 0.0,
 ) -> None:
     """The 2x-of-PyTorch rule for low-precision kernels.
 
     ``actual``: the kernel's result in dtype d; ``lowp_reference``: plain PyTorch in dtype d;
     ``fp32_reference``: the oracle in fp32 (or fp64). The kernel's max error against the oracle
-    may be at most 2x PyTorch's own max error in dtype d, plus atol of d.
+    may be at most 2x PyTorch's own max error in dtype d, plus atol of d, plus ``inherent``: a
+    bound, derived by the caller from the data, on error the kernel's algorithm has by design and
+    the plain PyTorch sequence does not (e.g. recomputing a norm's input from its rounded output).
     """
     dtype = actual.dtype
     _, atol = tolerance(dtype)
     oracle = fp32_reference.detach().double().cpu()
     kernel_err = (actual.detach().double().cpu() - oracle).abs().max().item()
     torch_err = (lowp_reference.detach().double().cpu() - oracle).abs().max().item()
-    if not kernel_err <= 2 * torch_err + atol:
+    if not kernel_err <= 2 * torch_err + atol + inherent:
         report = describe_mismatch(actual, fp32_reference.to(actual.dtype), *tolerance(dtype)) or ""
         raise AssertionError(
             f"{name}: max error vs the fp32 oracle is {kernel_err:.4g}, more than 2x PyTorch's {torch_err:.4g} "
-            f"in {dtype} (+ atol {atol:g})\n{report}"
+            f"in {dtype} (+ atol {atol:g}, + inherent {inherent:.3g})\n{report}"
         )

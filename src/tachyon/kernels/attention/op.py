@@ -190,7 +190,8 @@ def attention(
     - ``dropout_p`` on the attention probabilities, with ``seed`` (required when > 0): an int in
       [0, 2**63) or a 0-dim int64 tensor on q's device holding one (not read on the host: no
       sync, and under torch.compile a graph input, so a new seed per step does not recompile).
-      keep[b, h, i, j] = rand(seed, ((b * heads + h) * seq_q + i) * seq_k + j) > dropout_p,
+      keep[b, h, i, :] is row (b * heads + h) * seq_q + i of tachyon.kernels.random's dropout mask
+      over seq_k keys (16-bit draws, dropped with probability round(dropout_p * 65536) / 65536),
       kept probabilities scaled by 1 / (1 - dropout_p); same seed value, same mask, whether int
       or tensor, on every backend. A tensor seed is saved for backward.
     - ``softmax_scale``: default 1 / sqrt(head_dim).

@@ -6,10 +6,10 @@ reads kv head h // (heads // kv_heads): GQA, or MQA when kv_heads == 1):
     s[i, j]  = scale * <q_i, k_j> + bias[b, j]                (bias: key_padding_bias, 0 if None)
     s[i, j]  = -inf  where causal and j > i + (seq_k - seq_q)  (bottom-right aligned, as flash-attn)
     p        = softmax_j(s)                                    (in fp32)
-    p_drop   = p * keep / (1 - dropout_p),   keep[b, h, i, j] = rand(seed, flat index) > dropout_p
+    p_drop   = p * keep / (1 - dropout_p),   keep: dropout_keep (tachyon.kernels.random's mask, rows (b, h, i))
     out      = p_drop @ v
 
-with flat index ((b * heads + h) * seq_q + i) * seq_k + j (int64), drawn by the shared Philox
+over the score rows (b * heads + h) * seq_q + i of seq_k keys, drawn by the shared Philox
 generator (:mod:`tachyon.kernels.random`) so the Triton kernel drops exactly the same elements.
 Every ``seed`` here is an int or a 0-dim int64 tensor on q's device (the same value gives the
 same mask either way).
@@ -42,7 +42,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tachyon.kernels.random import rand
+from tachyon.kernels.random import dropout_keep_rows
 
 MASKED_BIAS = torch.finfo(torch.float16).min / 2  # bias values at or below this mean "masked" (-inf)
 
@@ -82,14 +82,13 @@ def dropout_keep(seed: int | torch.Tensor, dropout_p: float, batch: int, heads: 
                  rows: tuple[int, int] | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
     """Boolean keep mask [batch, heads, rows, seq_k] of the attention dropout (rows: query range).
 
-    keep[b, h, i, j] = rand(seed, ((b * heads + h) * seq_q + i) * seq_k + j) > dropout_p.
+    keep[b, h, i, :] = row (b * heads + h) * seq_q + i of tachyon.kernels.random.dropout_keep_rows
+    over seq_k columns (16-bit draws, eight keys per Philox call).
     """
     i0, i1 = rows if rows is not None else (0, seq_q)
-    bh = torch.arange(batch * heads, dtype=torch.int64, device=device).view(batch, heads, 1, 1)
-    i = torch.arange(i0, i1, dtype=torch.int64, device=device).view(1, 1, -1, 1)
-    j = torch.arange(seq_k, dtype=torch.int64, device=device).view(1, 1, 1, -1)
-    offsets = (bh * seq_q + i) * seq_k + j
-    return rand(seed, offsets) > dropout_p
+    bh = torch.arange(batch * heads, dtype=torch.int64, device=device).view(-1, 1)
+    i = torch.arange(i0, i1, dtype=torch.int64, device=device).view(1, -1)
+    return dropout_keep_rows(seed, (bh * seq_q + i).view(-1), seq_k, dropout_p).view(batch, heads, i1 - i0, seq_k)
 
 
 def causal_allowed(seq_q: int, seq_k: int, rows: tuple[int, int] | None = None,

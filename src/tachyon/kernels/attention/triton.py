@@ -24,7 +24,9 @@ functions, same sums: the same bits). No launch stores delta before the dK/dV lo
 recomputes it from O and dO per query block (O is re-read per block pair; delta is never
 written). Causal, key block i sees the query blocks from i on and query block i the key blocks up
 to i, so the programs' work is balanced.
-Z is the dropout mask / (1 - p), regenerated from tl.rand(seed, flat index) wherever it is needed.
+Z is the dropout mask / (1 - p), regenerated wherever it is needed from tachyon.kernels.random's
+16-bit draws (rows: (batch, head, query); eight keys per Philox call; ``keep_tile`` against the
+integer threshold ``drop_t``).
 The seed is a scalar argument (an int) or loaded from a 0-dim int64 tensor (SEED_FROM_PTR), the
 form torch.compile and the BERT layer's on-device seed counter use.
 
@@ -54,7 +56,8 @@ import triton
 import triton.language as tl
 
 from tachyon.backend import triton_interpreting
-from tachyon.kernels.random.triton import load_seed, seed_args
+from tachyon.kernels.random.reference import dropout_threshold
+from tachyon.kernels.random.triton import keep_tile, load_seed, seed_args
 from tachyon.kernels.tiling import partials, sum_partials
 from tachyon.kernels.ints import cdiv, next_power_of_2
 from tachyon.kernels.launch import fast_launch
@@ -129,9 +132,9 @@ def _qkv_bias_slices(QKV_B, h, kvh, heads, kv_heads, offs_d, d_valid, HEAD_DIM: 
 @triton.jit
 def _fwd_block(
     acc, l_i, m_i, q, k_base, v_base, bias_row, bk, bv, start_n, offs_m, offs_n, offs_d, d_valid, row_offsets,
-    stride_kn, stride_vn, seq_k, diag, qk_scale, dropout_p, inv_keep, seed,
+    stride_kn, stride_vn, seq_k, diag, qk_scale, drop_t, inv_keep, seed,
     IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HAS_QKV_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One key block of the online softmax, in base 2 (scores, m times log2(e)). MASKED: the block
     crosses seq_k or the causal diagonal. Keys past seq_k get -inf scores whatever they hold."""
@@ -160,7 +163,7 @@ def _fwd_block(
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
-        keep = tl.rand(seed, row_offsets[:, None] + cols[None, :]) > dropout_p
+        keep = keep_tile(seed, row_offsets, start_n, drop_t, BLOCK_M, BLOCK_N)
         p = tl.where(keep, p * inv_keep, 0.0)
     v = _plus_bias(tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0), bv,
                    HAS_QKV_BIAS)
@@ -175,7 +178,7 @@ def _fwd_kernel(
     Q, K, V, BIAS, OUT, LSE, QKV_B,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om, stride_bias_b,
-    heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed, SEED_PTR,
+    heads, group, seq_q, seq_k, seq_bucket, sm_scale, drop_t, inv_keep, seed, SEED_PTR,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SEED_FROM_PTR: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -201,18 +204,18 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    row_offsets = (bh * seq_q + offs_m) * seq_k  # int64 dropout offsets of column 0
+    row_offsets = (bh * seq_q + offs_m) * ((seq_k + 7) // 8)  # int64: each row's first dropout Philox counter
     full_hi, hi = _key_range(pid_m, seq_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_hi, BLOCK_N):
         acc, l_i, m_i = _fwd_block(
             acc, l_i, m_i, q, k_base, v_base, bias_row, bk, bv, start_n, offs_m, offs_n, offs_d, d_valid,
-            row_offsets, stride_kn, stride_vn, seq_k, diag, sm_scale * LOG2E, dropout_p, inv_keep, seed,
-            IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, False, DOT_PRECISION, HAS_QKV_BIAS)
+            row_offsets, stride_kn, stride_vn, seq_k, diag, sm_scale * LOG2E, drop_t, inv_keep, seed,
+            IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, False, DOT_PRECISION, HAS_QKV_BIAS, BLOCK_M, BLOCK_N)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_block(
             acc, l_i, m_i, q, k_base, v_base, bias_row, bk, bv, start_n, offs_m, offs_n, offs_d, d_valid,
-            row_offsets, stride_kn, stride_vn, seq_k, diag, sm_scale * LOG2E, dropout_p, inv_keep, seed,
-            IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, True, DOT_PRECISION, HAS_QKV_BIAS)
+            row_offsets, stride_kn, stride_vn, seq_k, diag, sm_scale * LOG2E, drop_t, inv_keep, seed,
+            IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, True, DOT_PRECISION, HAS_QKV_BIAS, BLOCK_M, BLOCK_N)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -243,11 +246,11 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _dkdv_block(
-    dk, dv, ds_sum, k, v, bias, bq, q_base, do_base, o_base, lse_row, delta_row, dq_base, start_m, offs_m0, offs_n,
-    offs_d, d_valid, stride_qm, stride_dom, stride_om, seq_q, seq_k, diag, sm_scale, qk_scale, dropout_p, inv_keep,
+    dk, dv, ds_sum, k, v, bias, bq, q_base, do_base, o_base, lse_row, delta_row, dq_base, start_m, start_n, offs_m0, offs_n,
+    offs_d, d_valid, stride_qm, stride_dom, stride_om, seq_q, seq_k, diag, sm_scale, qk_scale, drop_t, inv_keep,
     seed, drop_base, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_QKV_BIAS: tl.constexpr, DELTA_FROM_OUT: tl.constexpr,
+    HAS_QKV_BIAS: tl.constexpr, DELTA_FROM_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One query block's contribution to dK, dV of a key block. Rows past seq_q load lse = +inf,
     so their P is 0; columns past seq_k only touch rows of dK/dV that are never stored. MASKED:
@@ -280,7 +283,7 @@ def _dkdv_block(
         p = tl.where(offs_n[None, :] < seq_k, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
-        keep = tl.rand(seed, ((drop_base + offs_m) * seq_k)[:, None] + offs_n[None, :]) > dropout_p
+        keep = keep_tile(seed, (drop_base + offs_m) * ((seq_k + 7) // 8), start_n, drop_t, BLOCK_M, BLOCK_N)
         pd = tl.where(keep, p * inv_keep, 0.0)
         dp = tl.where(keep, dp * inv_keep, 0.0)
     else:
@@ -301,7 +304,7 @@ def _dkdv_program(
     pid_n, b, kvh, seed, Q, K, V, BIAS, DO, LSE, DELTA, OUT, DK, DV, DQ_ACC, QKV_B, DB_PART,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_ob, stride_oh, stride_om, stride_dkb, stride_dkh, stride_dkn,
-    stride_bias_b, stride_part, heads, kv_heads, group, seq_q, seq_k, sm_scale, dropout_p, inv_keep,
+    stride_bias_b, stride_part, heads, kv_heads, group, seq_q, seq_k, sm_scale, drop_t, inv_keep,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, DELTA_FROM_OUT: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -351,15 +354,15 @@ def _dkdv_program(
         for start_m in range(lo, full_lo, BLOCK_M):
             dk, dv, ds_sum = _dkdv_block(
                 dk, dv, ds_sum, k, v, bias, bq, q_base, do_base, o_base, LSE + bh * seq_q, DELTA + bh * seq_q, dq_base,
-                start_m, offs_m0, offs_n, offs_d, d_valid, stride_qm, stride_dom, stride_om, seq_q, seq_k, diag, sm_scale,
-                sm_scale * LOG2E, dropout_p, inv_keep, seed, bh * seq_q, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, True,
-                ATOMIC_DQ, HEAD_DIM, DOT_PRECISION, HAS_QKV_BIAS, DELTA_FROM_OUT)
+                start_m, start_n, offs_m0, offs_n, offs_d, d_valid, stride_qm, stride_dom, stride_om, seq_q, seq_k, diag, sm_scale,
+                sm_scale * LOG2E, drop_t, inv_keep, seed, bh * seq_q, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, True,
+                ATOMIC_DQ, HEAD_DIM, DOT_PRECISION, HAS_QKV_BIAS, DELTA_FROM_OUT, BLOCK_M, BLOCK_N)
         for start_m in range(full_lo, seq_q, BLOCK_M):
             dk, dv, ds_sum = _dkdv_block(
                 dk, dv, ds_sum, k, v, bias, bq, q_base, do_base, o_base, LSE + bh * seq_q, DELTA + bh * seq_q, dq_base,
-                start_m, offs_m0, offs_n, offs_d, d_valid, stride_qm, stride_dom, stride_om, seq_q, seq_k, diag, sm_scale,
-                sm_scale * LOG2E, dropout_p, inv_keep, seed, bh * seq_q, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, False,
-                ATOMIC_DQ, HEAD_DIM, DOT_PRECISION, HAS_QKV_BIAS, DELTA_FROM_OUT)
+                start_m, start_n, offs_m0, offs_n, offs_d, d_valid, stride_qm, stride_dom, stride_om, seq_q, seq_k, diag, sm_scale,
+                sm_scale * LOG2E, drop_t, inv_keep, seed, bh * seq_q, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, False,
+                ATOMIC_DQ, HEAD_DIM, DOT_PRECISION, HAS_QKV_BIAS, DELTA_FROM_OUT, BLOCK_M, BLOCK_N)
         if HAS_QKV_BIAS:  # this query head's bias gradient from these keys; keys past seq_k add nothing
             ds_sum = tl.where(n_valid, ds_sum, 0.0)
             dbq = tl.sum(ds_sum[:, None] * k.to(tl.float32), 0) * sm_scale
@@ -383,7 +386,7 @@ def _bwd_dkdv_kernel(
     Q, K, V, BIAS, DO, LSE, DELTA, DK, DV, DQ_ACC, QKV_B, DB_PART,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_bias_b, stride_part,
-    heads, kv_heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed, SEED_PTR,
+    heads, kv_heads, group, seq_q, seq_k, seq_bucket, sm_scale, drop_t, inv_keep, seed, SEED_PTR,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SEED_FROM_PTR: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -395,16 +398,16 @@ def _bwd_dkdv_kernel(
         pid_n, bkv // kv_heads, bkv % kv_heads, seed, Q, K, V, BIAS, DO, LSE, DELTA, Q, DK, DV, DQ_ACC, QKV_B, DB_PART,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         stride_dob, stride_doh, stride_dom, 0, 0, 0, stride_dkb, stride_dkh, stride_dkn, stride_bias_b, stride_part,
-        heads, kv_heads, group, seq_q, seq_k, sm_scale, dropout_p, inv_keep, HEAD_DIM, IS_CAUSAL, HAS_BIAS,
+        heads, kv_heads, group, seq_q, seq_k, sm_scale, drop_t, inv_keep, HEAD_DIM, IS_CAUSAL, HAS_BIAS,
         HAS_DROPOUT, ATOMIC_DQ, HAS_QKV_BIAS, False, BLOCK_D, DOT_PRECISION, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _dq_block(
     dq, q, do, lse2, delta, k_base, v_base, bias_row, bk, bv, start_n, offs_m, offs_n, offs_d, d_valid, row_offsets,
-    stride_kn, stride_vn, seq_k, diag, qk_scale, dropout_p, inv_keep, seed,
+    stride_kn, stride_vn, seq_k, diag, qk_scale, drop_t, inv_keep, seed,
     IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HAS_QKV_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One key block's contribution to dQ (base 2: lse2 = lse * log2(e)). MASKED: the block crosses
     seq_k or the causal diagonal."""
@@ -432,7 +435,7 @@ def _dq_block(
         p = tl.where(allowed, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
-        keep = tl.rand(seed, row_offsets[:, None] + cols[None, :]) > dropout_p
+        keep = keep_tile(seed, row_offsets, start_n, drop_t, BLOCK_M, BLOCK_N)
         dp = tl.where(keep, dp * inv_keep, 0.0)
     ds = p * (dp - delta[:, None])
     dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -444,7 +447,7 @@ def _dq_program(
     pid_m, b, h, seed, Q, K, V, BIAS, DO, LSE, DELTA, DQ, OUT, QKV_B,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_bias_b,
-    stride_ob, stride_oh, stride_om, heads, group, seq_q, seq_k, sm_scale, dropout_p, inv_keep,
+    stride_ob, stride_oh, stride_om, heads, group, seq_q, seq_k, sm_scale, drop_t, inv_keep,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     STORE_DELTA: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -476,16 +479,16 @@ def _dq_program(
     bias_row = BIAS + b * stride_bias_b
     diag = seq_k - seq_q
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    row_offsets = (bh * seq_q + offs_m) * seq_k
+    row_offsets = (bh * seq_q + offs_m) * ((seq_k + 7) // 8)
     full_hi, hi = _key_range(pid_m, seq_k, diag, IS_CAUSAL, BLOCK_M, BLOCK_N)  # the forward's split
     for start_n in range(0, full_hi, BLOCK_N):
         dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, bias_row, bk, bv, start_n, offs_m, offs_n, offs_d,
-                       d_valid, row_offsets, stride_kn, stride_vn, seq_k, diag, sm_scale * LOG2E, dropout_p, inv_keep,
-                       seed, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, False, DOT_PRECISION, HAS_QKV_BIAS)
+                       d_valid, row_offsets, stride_kn, stride_vn, seq_k, diag, sm_scale * LOG2E, drop_t, inv_keep,
+                       seed, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, False, DOT_PRECISION, HAS_QKV_BIAS, BLOCK_M, BLOCK_N)
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, bias_row, bk, bv, start_n, offs_m, offs_n, offs_d,
-                       d_valid, row_offsets, stride_kn, stride_vn, seq_k, diag, sm_scale * LOG2E, dropout_p, inv_keep,
-                       seed, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, True, DOT_PRECISION, HAS_QKV_BIAS)
+                       d_valid, row_offsets, stride_kn, stride_vn, seq_k, diag, sm_scale * LOG2E, drop_t, inv_keep,
+                       seed, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, True, DOT_PRECISION, HAS_QKV_BIAS, BLOCK_M, BLOCK_N)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_mask)
 
@@ -498,7 +501,7 @@ def _bwd_dq_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_bias_b,
     stride_ob, stride_oh, stride_om,
-    heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed, SEED_PTR,
+    heads, group, seq_q, seq_k, seq_bucket, sm_scale, drop_t, inv_keep, seed, SEED_PTR,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SEED_FROM_PTR: tl.constexpr, STORE_DELTA: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -510,7 +513,7 @@ def _bwd_dq_kernel(
         pid_m, bh // heads, bh % heads, seed, Q, K, V, BIAS, DO, LSE, DELTA, DQ, OUT, QKV_B,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_bias_b,
-        stride_ob, stride_oh, stride_om, heads, group, seq_q, seq_k, sm_scale, dropout_p, inv_keep,
+        stride_ob, stride_oh, stride_om, heads, group, seq_q, seq_k, sm_scale, drop_t, inv_keep,
         HEAD_DIM, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, STORE_DELTA, HAS_QKV_BIAS, BLOCK_D, DOT_PRECISION, BLOCK_M, BLOCK_N)
 
 
@@ -522,7 +525,7 @@ def _bwd_one_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_ob, stride_oh, stride_om, stride_dqb, stride_dqh, stride_dqm,
     stride_dkb, stride_dkh, stride_dkn, stride_bias_b, stride_part,
-    heads, kv_heads, group, seq_q, seq_k, seq_bucket, sm_scale, dropout_p, inv_keep, seed, SEED_PTR,
+    heads, kv_heads, group, seq_q, seq_k, seq_bucket, sm_scale, drop_t, inv_keep, seed, SEED_PTR,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SEED_FROM_PTR: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -543,7 +546,7 @@ def _bwd_one_kernel(
             pid, b, kvh, seed, Q, K, V, BIAS, DO, LSE, LSE, OUT, DK, DV, DK, QKV_B, DB_PART,
             stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
             stride_dob, stride_doh, stride_dom, stride_ob, stride_oh, stride_om, stride_dkb, stride_dkh, stride_dkn,
-            stride_bias_b, stride_part, heads, kv_heads, group, seq_q, seq_k, sm_scale, dropout_p, inv_keep,
+            stride_bias_b, stride_part, heads, kv_heads, group, seq_q, seq_k, sm_scale, drop_t, inv_keep,
             HEAD_DIM, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, False, HAS_QKV_BIAS, True, BLOCK_D, DOT_PRECISION, BLOCK_M,
             BLOCK_N)
     if pid * BLOCK_M < seq_q:
@@ -552,7 +555,7 @@ def _bwd_one_kernel(
                 pid, b, kvh * group + g, seed, Q, K, V, BIAS, DO, LSE, LSE, DQ, OUT, QKV_B,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_bias_b,
-                stride_ob, stride_oh, stride_om, heads, group, seq_q, seq_k, sm_scale, dropout_p, inv_keep,
+                stride_ob, stride_oh, stride_om, heads, group, seq_q, seq_k, sm_scale, drop_t, inv_keep,
                 HEAD_DIM, IS_CAUSAL, HAS_BIAS, HAS_DROPOUT, False, HAS_QKV_BIAS, BLOCK_D, DOT_PRECISION, BLOCK_M,
                 BLOCK_N)
 
@@ -620,7 +623,7 @@ def attention_fwd(
     _fwd_kernel[grid](
         q, k, v, bias if bias is not None else q, out, lse, qkv_bias if qkv_bias is not None else q,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out), bias.stride(0) if bias is not None else 0,
-        heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_p, inv_keep, seed_int, seed_ptr,
+        heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_threshold(dropout_p), inv_keep, seed_int, seed_ptr,
         SEED_FROM_PTR=from_ptr, **flags,
     )
     return out, lse
@@ -682,7 +685,7 @@ def attention_bwd(
     if deterministic:
         _bwd_dq_kernel[lambda meta: (cdiv(seq_q, meta["BLOCK_M"]), batch * heads)](
             q, k, v, bias_arg, dout, lse, delta, dq, out, qkv_bias_arg, *common, *_strides3(dq), bias_stride,
-            *_strides3(out), heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_p, inv_keep,
+            *_strides3(out), heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_threshold(dropout_p), inv_keep,
             seed_int, seed_ptr, SEED_FROM_PTR=from_ptr, STORE_DELTA=True, **flags,
         )
     else:
@@ -704,7 +707,7 @@ def attention_bwd(
         part if part is not None else delta,
         *common, *_strides3(dk), bias_stride, part.stride(0) if part is not None else 0,
         heads, kv_heads, heads // kv_heads, seq_q, seq_k, bucket,
-        softmax_scale, dropout_p, inv_keep, seed_int, seed_ptr, SEED_FROM_PTR=from_ptr,
+        softmax_scale, dropout_threshold(dropout_p), inv_keep, seed_int, seed_ptr, SEED_FROM_PTR=from_ptr,
         ATOMIC_DQ=not deterministic, **flags,
     )
     dbias = None
@@ -741,7 +744,7 @@ def _attention_bwd_one_kernel(dout, q, k, v, out, lse, bias, dropout_p, seed, so
         part if part is not None else lse,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(out), *_strides3(dq),
         *_strides3(dk), bias.stride(0) if bias is not None else 0, part.stride(0) if part is not None else 0,
-        heads, kv_heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_p, inv_keep, seed_int,
+        heads, kv_heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_threshold(dropout_p), inv_keep, seed_int,
         seed_ptr, SEED_FROM_PTR=from_ptr, **flags,
     )
     dbias = None

@@ -3,8 +3,9 @@
     out = bias_dropout_add(x, bias, residual, p=0.1, seed=step_seed)
     y, z = bias_dropout_add_layer_norm(x, bias, residual, ln_w, ln_b, 1e-5, 0.1, seed)
 
-The dropout mask is keep[i] = tachyon.kernels.random.rand(seed, i) > p for the flat index i of x,
-identical on both backends, and it is never stored: the backward regenerates it from (seed, i).
+The dropout mask is tachyon.kernels.random's over the rows of x viewed as [M, N] (16-bit draws,
+eight per Philox call; dropped with probability round(p * 65536) / 65536), identical on both
+backends, and it is never stored: the backward regenerates it from the seed.
 The seed is an int, or a 0-dim int64 tensor on x's device (never read on the host; under
 torch.compile a graph input, so a per-step seed does not recompile). Through the custom ops an
 int travels as ``seed`` and a tensor as ``seed_tensor``; the same value gives the same mask.
@@ -233,8 +234,8 @@ def bias_dropout_add(
     """out = residual + dropout(x + bias), computed in fp32 and returned in x's dtype.
 
     x: [..., N]; bias: [N] or None; residual: x's shape and dtype, or None (then out is
-    dropout(x + bias)). Element i (flat index of x) is kept when rand(seed, i) > p and scaled by
-    1 / (1 - p). seed: an int in [0, 2**63) or a 0-dim int64 tensor on x's device holding one
+    dropout(x + bias)). Element (row, col) of x viewed as [M, N] is kept by tachyon.kernels.random's
+    mask (tachyon.kernels.random.dropout_keep_mask(seed, x.shape, p)) and scaled by 1 / (1 - p). seed: an int in [0, 2**63) or a 0-dim int64 tensor on x's device holding one
     (same value, same mask). p == 0 or training=False: no dropout, seed may be None. Saves
     nothing of x's size for backward (a tensor seed, 8 bytes); dbias comes back in bias's dtype.
     Dtypes: float32, float16, bfloat16.

@@ -2,7 +2,7 @@
 
 For x: [..., N] viewed as [M, N] row-major, bias: [N] or None, residual: [..., N] or None:
 
-    keep[i] = rand(seed, i) > p            i = flat element index of x (Philox, tachyon.kernels.random)
+    keep    = dropout_keep_mask(seed, x.shape, p)   rows of N (Philox, tachyon.kernels.random)
     z       = residual + where(keep, (x + bias) / (1 - p), 0)     in fp32, stored in x's dtype
     y       = LayerNorm(z) * weight + ln_bias    (or RMSNorm)     from the stored (rounded) z
 

@@ -1,8 +1,9 @@
 """Triton kernels for bias + dropout + residual (+ LayerNorm/RMSNorm) (no autograd here; see op.py).
 
-The dropout mask is ``tl.rand(seed, row * N + col) > p`` (Philox on the flat index of the
-[M, N] input), so it is regenerated in backward instead of stored, and tachyon.kernels.random.rand
-(the PyTorch Philox) gives the torch path the same mask bit for bit. The seed is a scalar
+The dropout mask is tachyon.kernels.random's over the rows of the [M, N] input (16-bit draws, eight
+per Philox call: ``keep_tile`` / ``keep_row``, against the integer threshold ``drop_t``), so it is
+regenerated in backward instead of stored, and tachyon.kernels.random.dropout_keep_rows (the PyTorch
+Philox) gives the torch path the same mask bit for bit. The seed is a scalar
 argument (an int) or loaded from a 0-dim int64 tensor (SEED_FROM_PTR); same value, same mask.
 
 bias_dropout_add: 2-D tiles, out = residual + where(keep, (x + b) * scale, 0) in fp32, stored in
@@ -33,7 +34,8 @@ import triton.language as tl
 
 from tachyon.kernels.dropout.reference import dropout_scale
 from tachyon.kernels.layernorm.triton import row_config, row_grad, row_stats
-from tachyon.kernels.random.triton import load_seed, seed_args
+from tachyon.kernels.random.reference import dropout_threshold
+from tachyon.kernels.random.triton import keep_row, keep_tile, load_seed, seed_args
 from tachyon.kernels.tiling import max_programs, partials, row_programs, row_split, sum_partials, tiles
 from tachyon.kernels.ints import cdiv
 from tachyon.kernels.launch import fast_launch
@@ -42,7 +44,7 @@ from tachyon.kernels.launch import fast_launch
 @fast_launch
 @triton.jit
 def _bda_fwd_kernel(
-    X, B, R, OUT, M, N, stride_x, stride_r, stride_o, seed, SEED_PTR, p, scale,
+    X, B, R, OUT, M, N, stride_x, stride_r, stride_o, seed, SEED_PTR, drop_t, scale,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, DROPOUT: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -55,7 +57,7 @@ def _bda_fwd_kernel(
     if HAS_BIAS:
         h += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if DROPOUT:
-        keep = tl.rand(seed, rows[:, None] * N + cols[None, :]) > p
+        keep = keep_tile(seed, rows * ((N + 7) // 8), tl.program_id(1) * BLOCK_N, drop_t, BLOCK_M, BLOCK_N)
         h = tl.where(keep, h * scale, 0.0)
     if HAS_RES:
         h += tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -65,7 +67,7 @@ def _bda_fwd_kernel(
 @fast_launch
 @triton.jit
 def _bda_bwd_kernel(
-    DOUT, DX, DB_PART, M, N, stride_d, stride_dx, rows_per_program, seed, SEED_PTR, p, scale,
+    DOUT, DX, DB_PART, M, N, stride_d, stride_dx, rows_per_program, seed, SEED_PTR, drop_t, scale,
     HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, SEED_FROM_PTR: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -81,7 +83,7 @@ def _bda_bwd_kernel(
         mask = (rows[:, None] < row_end) & col_ok[None, :]
         g = tl.load(DOUT + rows[:, None] * stride_d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if DROPOUT:
-            keep = tl.rand(seed, rows[:, None] * N + cols[None, :]) > p
+            keep = keep_tile(seed, rows * ((N + 7) // 8), tl.program_id(1) * BLOCK_N, drop_t, BLOCK_M, BLOCK_N)
             g = tl.where(keep, g * scale, 0.0)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], g.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
@@ -93,7 +95,7 @@ def _bda_bwd_kernel(
 @fast_launch
 @triton.jit
 def _bda_norm_fwd_kernel(
-    X, B, R, W, LNB, Y, Z, MEAN, RSTD, N, stride_x, stride_r, stride_y, stride_z, eps, seed, SEED_PTR, p, scale,
+    X, B, R, W, LNB, Y, Z, MEAN, RSTD, N, stride_x, stride_r, stride_y, stride_z, eps, seed, SEED_PTR, drop_t, scale,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_LNB: tl.constexpr, DROPOUT: tl.constexpr,
     SEED_FROM_PTR: tl.constexpr, IS_RMS: tl.constexpr, STORE_Z: tl.constexpr, STORE_MEAN: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -106,7 +108,7 @@ def _bda_norm_fwd_kernel(
     if HAS_BIAS:
         h += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
     if DROPOUT:
-        keep = tl.rand(seed, row * N + cols) > p
+        keep = keep_row(seed, row * ((N + 7) // 8), drop_t, BLOCK_N)
         h = tl.where(keep, h * scale, 0.0)
     if HAS_RES:
         h += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -128,7 +130,7 @@ def _bda_norm_fwd_kernel(
 @triton.jit
 def _bda_norm_bwd_kernel(
     DY, SAVED, DZ_OUT, W, LNB, MEAN, RSTD, DX, DRES, DW_PART, DLNB_PART, DB_PART,
-    M, N, stride_dy, stride_s, stride_dzo, stride_dx, stride_dr, stride_part, rows_per_program, seed, SEED_PTR, p, scale,
+    M, N, stride_dy, stride_s, stride_dzo, stride_dx, stride_dr, stride_part, rows_per_program, seed, SEED_PTR, drop_t, scale,
     HAS_LNB: tl.constexpr, HAS_DZ_OUT: tl.constexpr, STORE_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr, SEED_FROM_PTR: tl.constexpr, IS_RMS: tl.constexpr, FROM_OUTPUT: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -158,7 +160,7 @@ def _bda_norm_bwd_kernel(
             tl.store(DRES + row * stride_dr + cols, dz.to(DRES.dtype.element_ty), mask=mask)
         dx = dz
         if DROPOUT:
-            keep = tl.rand(seed, row * N + cols) > p
+            keep = keep_row(seed, row * ((N + 7) // 8), drop_t, BLOCK_N)
             dx = tl.where(keep, dz * scale, 0.0)
         tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
@@ -183,11 +185,12 @@ def bias_dropout_add_fwd(
     if out.numel() == 0:
         return out
     block_m, block_n, num_warps = tiles(n)
+    block_n = max(block_n, 8)  # the dropout mask takes column tiles of whole 8-column groups
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, out)
     _bda_fwd_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
         x, bias if bias is not None else x, residual if residual is not None else x, out,
         m, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), seed_int, seed_ptr,
-        p, dropout_scale(p), HAS_BIAS=bias is not None, HAS_RES=residual is not None, DROPOUT=p > 0,
+        dropout_threshold(p), dropout_scale(p), HAS_BIAS=bias is not None, HAS_RES=residual is not None, DROPOUT=p > 0,
         SEED_FROM_PTR=seed_from_ptr, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return out
@@ -204,13 +207,14 @@ def dropout_bwd(
     if dx.numel() == 0:
         return dx, (torch.zeros(n, dtype=dbias_dtype, device=dout.device) if want_dbias else None)
     block_m, block_n, num_warps = tiles(n)
+    block_n = max(block_n, 8)  # the dropout mask takes column tiles of whole 8-column groups
     col_blocks = cdiv(n, block_n)
     programs, rows_per_program = row_split(m, block_m, col_blocks, dout.device)
     db_part = partials(programs, 1, n, dout.device) if want_dbias else None
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, dx)
     _bda_bwd_kernel[(programs, col_blocks)](
         dout, dx, db_part if db_part is not None else dx, m, n, dout.stride(0), dx.stride(0), rows_per_program,
-        seed_int, seed_ptr, p, dropout_scale(p), HAS_BIAS=want_dbias, DROPOUT=p > 0,
+        seed_int, seed_ptr, dropout_threshold(p), dropout_scale(p), HAS_BIAS=want_dbias, DROPOUT=p > 0,
         SEED_FROM_PTR=seed_from_ptr, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return dx, (sum_partials(db_part, [dbias_dtype])[0] if db_part is not None else None)
@@ -231,12 +235,13 @@ def bias_dropout_add_norm_fwd(
     if m == 0:
         return y, z, mean, rstd
     block_n, num_warps = row_config(n)
+    block_n = max(block_n, 8)  # the dropout mask takes whole 8-column groups
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, rstd)
     _bda_norm_fwd_kernel[(m,)](
         x, bias if bias is not None else x, residual if residual is not None else x, weight,
         ln_bias if ln_bias is not None else weight, y, z if store_z else y, mean if store_mean else rstd, rstd,
         n, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), z.stride(0),
-        eps, seed_int, seed_ptr, p, dropout_scale(p),
+        eps, seed_int, seed_ptr, dropout_threshold(p), dropout_scale(p),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_LNB=ln_bias is not None, DROPOUT=p > 0,
         SEED_FROM_PTR=seed_from_ptr, IS_RMS=rms, STORE_Z=store_z, STORE_MEAN=store_mean, BLOCK_N=block_n,
         num_warps=num_warps,
@@ -273,14 +278,15 @@ def bias_dropout_add_norm_bwd(
     dlnb_part = part[:, n:2 * n] if ln_bias is not None else None
     db_part = part[:, (len(groups) - 1) * n:] if want_dbias else None
     block_n, num_warps = row_config(n)
+    block_n = max(block_n, 8)  # the dropout mask takes whole 8-column groups
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, rstd)
     _bda_norm_bwd_kernel[(programs,)](
         dy, saved, dz_out if dz_out is not None else dy, weight, ln_bias if ln_bias is not None else weight,
         mean, rstd, dx, dres if dres is not None else dx, dw_part,
         dlnb_part if dlnb_part is not None else dw_part, db_part if db_part is not None else dw_part,
         m, n, dy.stride(0), saved.stride(0), dz_out.stride(0) if dz_out is not None else 0, dx.stride(0),
-        dres.stride(0) if dres is not None else 0, part.stride(0), rows_per_program, seed_int, seed_ptr, p,
-        dropout_scale(p),
+        dres.stride(0) if dres is not None else 0, part.stride(0), rows_per_program, seed_int, seed_ptr,
+        dropout_threshold(p), dropout_scale(p),
         HAS_LNB=ln_bias is not None, HAS_DZ_OUT=dz_out is not None, STORE_DRES=store_dres, HAS_BIAS=want_dbias,
         DROPOUT=p > 0, SEED_FROM_PTR=seed_from_ptr, IS_RMS=rms, FROM_OUTPUT=from_output, BLOCK_N=block_n, num_warps=num_warps,
     )
