@@ -9,6 +9,7 @@ torch's op, where it says Triton (or the twin does not apply) exactly the Triton
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,59 @@ def test_norms_follow_the_measured_table_by_mode_and_timing(on_sm90):
     xh, wh = x.half(), w.half()
     assert torch.equal(norm_op.rms_norm(xh, wh), norm_op.rms_norm(xh, wh, backend="triton"))  # forward alone
     assert torch.equal(norm_op.rms_norm(xh.requires_grad_(True), wh), F.rms_norm(xh, (1024,), wh, 1e-6))
+
+
+@pytest.fixture
+def mlp_on_sm90(monkeypatch, on_sm90):
+    """As on_sm90, for the MLP block's GEMM backend choice too."""
+    mlp_op = importlib.import_module("tachyon.kernels.linear.mlp")  # the package exports the function
+
+    real_resolve = mlp_op.resolve
+    monkeypatch.setattr(mlp_op, "resolve", lambda t, backend=None: "triton" if backend in (None, "auto")
+                        else real_resolve(t, backend))
+    monkeypatch.setattr(mlp_op, "auto_on_cuda", lambda t, backend: backend in (None, "auto"))
+    return on_sm90
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_mlp_takes_cublas_and_the_activation_kernel_where_measured_faster(mlp_on_sm90, activation, checkpoint):
+    from tachyon.kernels.activation import triton as act_triton
+
+    mlp_op = importlib.import_module("tachyon.kernels.linear.mlp")
+
+    torch.manual_seed(0)
+    rows = 48 if activation == "swiglu" else 24
+    x, w1, b1 = torch.randn(2, 5, 16), 0.2 * torch.randn(rows, 16), 0.1 * torch.randn(rows)
+    w2, b2 = 0.2 * torch.randn(16, 24), 0.1 * torch.randn(16)
+
+    def run(**kw):
+        return _grads(lambda *t: mlp_op.mlp(t[0], t[1], t[2], activation, t[3], t[4],
+                                            checkpoint_activation=checkpoint, **kw), x, w1, b1, w2, b2)
+
+    mlp_on_sm90["mlp"] = dispatch.TWIN
+    got = run()
+    want_out = F.linear(act_triton.bias_act_fwd(F.linear(x.view(-1, 16), w1, b1), None, activation), w2, b2)
+    assert torch.equal(got[0][0], want_out.view(2, 5, 16))  # exactly the cuBLAS-GEMM + kernel composite
+    ref = run(backend="torch")
+    for g, e in zip(got[0] + got[1], ref[0] + ref[1]):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    mlp_on_sm90["mlp"] = dispatch.TRITON
+    triton = run(backend="triton")
+    for g, e in zip(run()[0] + run()[1], triton[0] + triton[1]):
+        assert torch.equal(g, e)
+    assert mlp_op.gemm_backend(x, "triton", 24, True) == "triton"  # an explicit backend is never overridden
+
+
+def test_the_measured_mlp_class_runs_the_twin():
+    like = torch.empty(0, dtype=torch.bfloat16)
+    cls = dispatch.mlp_class(8192, 1024, 4096)
+    assert cls == "m<=8192 k<=1024 f<=4096" and dispatch.mlp_class(5000, 1000, 3000) == cls
+    original = dispatch.arch_of
+    try:
+        dispatch.arch_of = lambda t: "sm_90"
+        assert dispatch.choose("mlp", like, cls, backward=True) == dispatch.TWIN
+        with dispatch.graph_capture_choices():
+            assert dispatch.choose("mlp", like, cls, backward=True) == dispatch.TWIN
+    finally:
+        dispatch.arch_of = original

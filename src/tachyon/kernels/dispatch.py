@@ -1,8 +1,10 @@
 """What ``backend="auto"`` runs on a CUDA tensor, for ops that have a torch twin: chosen by measurement.
 
 Some of tachyon's ops have a torch implementation with the same contract on a GPU: the norms
-(``F.layer_norm`` / ``F.rms_norm``, after the residual add) and attention without dropout or
-padding (``F.scaled_dot_product_attention``, which picks flash / cuDNN / efficient itself). For
+(``F.layer_norm`` / ``F.rms_norm``, after the residual add), attention without dropout or
+padding (``F.scaled_dot_product_attention``, which picks flash / cuDNN / efficient itself), and
+the MLP block's epilogue GEMMs (cuBLAS's GEMMs with tachyon's bias-activation kernel between
+them, saving the same tensors: backend "cublas" of the block's two GEMM ops). For
 those, ``backend="auto"`` on CUDA runs tachyon's Triton kernel only where a committed GPU result
 shows it clearly faster than the torch twin for that op, GPU architecture, dtype and shape class,
 and for how the call runs; everywhere else, the torch twin. How a call runs has two parts:
@@ -110,6 +112,13 @@ def attention_class(causal: bool, seq_q: int, seq_k: int, head_dim: int) -> str:
     return f"{'causal' if causal else 'full'} s<={1 << (seq - 1).bit_length()} d{int(head_dim)}"
 
 
+def mlp_class(m: int, k: int, f: int) -> str:
+    """The MLP block by rows (tokens), input features and hidden features: power-of-two buckets."""
+    def bucket(n: int) -> int:
+        return max(1, 1 << (int(n) - 1).bit_length())
+    return f"m<={bucket(m)} k<={bucket(k)} f<={bucket(f)}"
+
+
 _H100 = "2026-11-28-h100-run.md"
 
 
@@ -124,6 +133,13 @@ def _attention(shape: str, dims: str, causal: str, triton, twin) -> tuple[Eviden
     """Evidence from bench_attention rows (bf16): the kernel against SDPA-flash."""
     return tuple(Evidence(mode, Row((shape, dims, causal, "bfloat16", "tachyon", mode), *t),
                           Row((shape, dims, causal, "bfloat16", "sdpa-flash", mode), *c))
+                 for mode, t, c in zip((FWD, FWD_BWD), triton, twin))
+
+
+def _mlp(shape: str, dtype: str, triton, twin) -> tuple[Evidence, ...]:
+    """Evidence from bench_mlp rows: the epilogue GEMMs against cuBLAS GEMMs + the bias-activation kernel."""
+    return tuple(Evidence(mode, Row((shape, dtype, "tachyon mlp (Triton epilogue GEMMs)", mode), *t),
+                          Row((shape, dtype, "cuBLAS + bias_act + cuBLAS", mode), *c))
                  for mode, t, c in zip((FWD, FWD_BWD), triton, twin))
 
 
@@ -170,6 +186,12 @@ TABLE: tuple[Choice, ...] = (
         "gpt-causal", "4,32,32,2048,128", "True",
         ((0.3576, 0.3552, 0.3703, 0.3714), (1.511, 1.48, 1.517, 1.508)),
         ((0.4821, 0.4778, 0.4868, 0.4905), (2.112, 2.108, 2.119, 2.087)))),
+    # the MLP block (gelu) at BERT-Large's 8192 tokens, 1024 -> 4096 -> 1024; the twin is cuBLAS's GEMMs
+    # with tachyon's bias-activation kernel between them (same saved tensors)
+    Choice("mlp", "sm_90", "bfloat16", mlp_class(8192, 1024, 4096), _H100, _mlp(
+        "BERT-Large", "bfloat16",
+        ((0.2843, 0.2832, 0.2894, 0.2963), (0.8731, 0.8642, 0.877, 0.8707)),
+        ((0.2476, 0.2458, 0.2497, 0.2611), (0.7885, 0.7827, 0.8049, 0.7923)))),
 )
 
 _BY_KEY = {(c.op, c.arch, c.dtype, c.shape_class): c for c in TABLE}
@@ -242,5 +264,5 @@ def describe(arch: str | None = None) -> list[str]:
 
 
 __all__ = ["EAGER", "FWD", "FWD_BWD", "GRAPH", "TABLE", "TRITON", "TWIN", "Choice", "Evidence", "Row", "arch_of",
-           "attention_class", "choose", "describe", "graph_capture_choices", "lookup", "needs_backward", "norm_class",
-           "timing"]
+           "attention_class", "choose", "describe", "graph_capture_choices", "lookup", "mlp_class", "needs_backward",
+           "norm_class", "timing"]

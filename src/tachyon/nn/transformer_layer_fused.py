@@ -40,7 +40,7 @@ from tachyon.kernels.dropout.op import MAX_TRITON_N as MAX_BDAN_N
 from tachyon.kernels.dropout.op import _bda_fwd, _bdan_bwd, _bdan_fwd, _dropout_bwd
 from tachyon.kernels.layernorm.op import MAX_TRITON_N as MAX_NORM_N
 from tachyon.kernels.layernorm.op import _norm_bwd, _norm_fwd, _twin_applies
-from tachyon.kernels.linear.mlp import _gemm_act_grad, _gemm_bias_act
+from tachyon.kernels.linear.mlp import _gemm_act_grad, _gemm_bias_act, gemm_backend
 from tachyon.kernels.attention.packed import _packed_bwd, _packed_fwd
 from tachyon.kernels.registry import eager_call
 from tachyon.nn.attention import DotProductAttention, MultiheadAttention
@@ -158,7 +158,7 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
         tuple(x.shape), rms, float(qkv.eps), float(mlp.eps), h, g, core.qkv_format == "sbhd", mask_type == "causal",
         float(core.attention_dropout) if training else 0.0, float(layer.hidden_dropout) if training else 0.0,
         default_scale(d, core.softmax_scale), core.one_kernel_backward, activation, be_norm, be_attn, be_bdan,
-        resolve(x, mlp.backend), be_bdan, norm_twin,
+        gemm_backend(x, mlp.backend, fc2_w.shape[1], dispatch.needs_backward(x, *params)), be_bdan, norm_twin,
     )
 
 

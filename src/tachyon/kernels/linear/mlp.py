@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tachyon.backend import resolve
+from tachyon.backend import auto_on_cuda, resolve
+from tachyon.kernels import dispatch
 from tachyon.kernels.activation.op import _bias_act_fwd
 from tachyon.kernels.activation.reference import ACTIVATIONS, is_gated
 from tachyon.kernels.common import check_dtype, check_same_device, check_shape, lazy_module
@@ -37,16 +38,33 @@ from tachyon.kernels.linear import reference
 from tachyon.kernels.registry import fused_op
 
 _triton = lazy_module("tachyon.kernels.linear.triton")  # imported on first use (it imports Triton)
+_activation_triton = lazy_module("tachyon.kernels.activation.triton")
 
 OP = "mlp"
+CUBLAS = "cublas"  # the block's GEMM ops: torch's GEMM + tachyon's bias-activation kernel (dispatch's twin)
+
+
+def gemm_backend(x: Tensor, backend: str | None, features: int, needs_backward: bool) -> str:
+    """The backend of the block's two GEMM ops for an [.., K] input ``x``: resolve()'s choice, except
+    that under "auto" on CUDA the dispatch table may pick "cublas" (measured faster there)."""
+    chosen = resolve(x, backend)
+    if chosen == "triton" and auto_on_cuda(x, backend) and dispatch.choose(
+            OP, x, dispatch.mlp_class(x.numel() // max(x.shape[-1], 1), x.shape[-1], features),
+            needs_backward) == dispatch.TWIN:
+        return CUBLAS
+    return chosen
 
 
 @fused_op("tachyon::gemm_bias_act", mutates_args=())
 def _gemm_bias_act(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, backend: str) -> tuple[Tensor, Tensor]:
-    """x [M, K] contiguous -> (pre [M, R], y [M, F])."""
+    """x [M, K] contiguous -> (pre [M, R], y [M, F]). backend "cublas": torch's GEMM (with the bias),
+    then tachyon's bias-activation kernel writing y (the dispatch table's twin on CUDA)."""
     if backend == "triton":
         tri = _triton()
         return tri.gemm_bias_act(x, weight, bias, activation)
+    if backend == CUBLAS:
+        pre = F.linear(x, weight, bias)
+        return pre, _activation_triton().bias_act_fwd(pre, None, activation)
     return reference.gemm_bias_act_reference(x, weight, bias, activation)
 
 
@@ -59,7 +77,13 @@ def _(x, weight, bias, activation, backend):
 @fused_op("tachyon::gemm_act_grad", mutates_args=())
 def _gemm_act_grad(dout: Tensor, weight2: Tensor, pre: Tensor, activation: str, want_dbias: bool,
                    backend: str) -> tuple[Tensor, Tensor]:
-    """dout [M, O] contiguous -> (dpre [M, R], dbias [R] in pre's dtype or an empty tensor)."""
+    """dout [M, O] contiguous -> (dpre [M, R], dbias [R] in pre's dtype or an empty tensor). backend
+    "cublas": torch's GEMM, then tachyon's bias-activation backward kernel (dpre and its column sums)."""
+    if backend == CUBLAS:
+        # a zero bias adds nothing to pre and makes the kernel sum dpre's columns (b1's gradient)
+        zero = torch.zeros(pre.shape[1], dtype=pre.dtype, device=pre.device) if want_dbias else None
+        dpre, dbias = _activation_triton().bias_act_bwd(dout.mm(weight2), pre, zero, activation)
+        return dpre, (dbias if dbias is not None else pre.new_empty(0))
     impl = reference.gemm_act_grad_reference
     if backend == "triton":
         tri = _triton()
@@ -95,7 +119,7 @@ class _MLP(torch.autograd.Function):
         dw2 = db2 = None
         if ctx.needs_input_grad[3]:
             if y is None:  # checkpoint_activation: y from the kept pre-activation
-                y = _bias_act_fwd(pre, None, ctx.activation, ctx.backend)
+                y = _bias_act_fwd(pre, None, ctx.activation, "triton" if ctx.backend == CUBLAS else ctx.backend)
             dw2 = dout2.t().mm(y)
         if ctx.b2_dtype is not None and ctx.needs_input_grad[4]:
             db2 = dout2.sum(0, dtype=torch.float32).to(ctx.b2_dtype)
@@ -153,9 +177,9 @@ def mlp(
         if not isinstance(flag, bool):
             raise ValueError(f"{OP}: {name} must be True or False; got {flag!r}")
     check_same_device(OP, x=x, weight1=weight1, bias1=bias1, weight2=weight2, bias2=bias2)
-    out, x_res = _MLP.apply(x, weight1, bias1, weight2, bias2, activation, not checkpoint_activation,
-                            resolve(x, backend))
+    be = gemm_backend(x, backend, f, dispatch.needs_backward(x, weight1, bias1, weight2, bias2))
+    out, x_res = _MLP.apply(x, weight1, bias1, weight2, bias2, activation, not checkpoint_activation, be)
     return (out, x_res) if return_residual else out
 
 
-__all__ = ["mlp"]
+__all__ = ["CUBLAS", "gemm_backend", "mlp"]

@@ -54,6 +54,7 @@ class Plan(NamedTuple):
     attn_checkpoint: bool
     scale: float  # progressive layer drop: 1 / keep probability on both residual branches (pre-LN)
     backend: str
+    mlp_backend: str  # the MLP's GEMM ops: backend, or "cublas" where the dispatch table picks it
 
 
 def _attention(plan: Plan, x: Tensor, bias: Tensor | None, seed: Tensor, norm_w: Tensor, norm_b: Tensor,
@@ -81,7 +82,7 @@ def forward(plan: Plan, x: Tensor, bias: Tensor | None, seeds: tuple[Tensor, Ten
     if plan.scale != 1.0:
         a, ob = a * plan.scale, o_b * plan.scale
     y1, z1, mean1, rstd1 = _bdan_fwd_impl(a, ob, x, attn_nw, attn_nb, eps, p, 0, seeds[1], False, inv, plan.pre_ln, be)
-    pre, act = _gemm_bias_act_impl(y1, inter_w, inter_b, "gelu", be)
+    pre, act = _gemm_bias_act_impl(y1, inter_w, inter_b, "gelu", plan.mlp_backend)
     f, fb = F.linear(act, out_w), out_b
     if plan.pre_ln:
         if plan.scale != 1.0:
@@ -134,7 +135,7 @@ def backward(plan: Plan, dout: Tensor, x: Tensor, bias: Tensor | None, seeds, pa
         if act is None:
             act = _bias_act_fwd_impl(pre, None, "gelu", be)
         d_out_w = df.t().mm(act)
-    dpre, d_inter_b = _gemm_act_grad_impl(df, out_w, pre, "gelu", True, be)
+    dpre, d_inter_b = _gemm_act_grad_impl(df, out_w, pre, "gelu", True, plan.mlp_backend)
     dy1 = dpre.mm(inter_w) if plan.pre_ln else torch.addmm(dz1, dpre, inter_w)
     d_inter_w = dpre.t().mm(y1) if needs[7] else None
     # attention output: bias + dropout + residual + LN_attn; pre-LN: z1's gradient joins (dz_out)
