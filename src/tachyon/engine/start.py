@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from tachyon.config import ConfigError, load_config, parse_config
 
-from .engine import Engine, check_engine_inputs
+from .engine import Engine
+from .setup import check_engine_inputs
 from .pipeline import check_parallel_inputs
 from .zero import DataParallelComm
 
