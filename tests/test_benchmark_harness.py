@@ -99,3 +99,26 @@ def test_commit_comes_from_the_environment_when_set(monkeypatch):
     assert common.machine_info()["commit"] == "abc1234"
     monkeypatch.delenv("TACHYON_COMMIT")
     assert common.machine_info()["commit"] not in ("", "abc1234")
+
+
+def test_gpu_sh_dry_run_warms_every_step_then_times_them_in_order(tmp_path):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TACHYON_COMMIT": "feed123", "PYTHON": "python3"}
+    run = subprocess.run(["bash", str(root / "benchmarks" / "gpu.sh"), str(tmp_path / "out"), "--dry-run"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("dry run: commit feed123, budget 500 s")
+    warm = [line.split("]")[0].strip(" [") for line in lines if line.startswith("  [") and " limit " not in line]
+    assert {"smoke-bf16-0", "smoke-fp16-2", "sweep-bert-s128", "sweep-gpt-s2048", "sweep-mlp-norm", "te_layer",
+            "profile", "inference", "transformer_kernel", "attention", "layernorm", "mlp"} <= set(warm)
+    timed = [line.split("]")[0].strip(" [") for line in lines if " limit " in line]
+    skipped = [line.split()[1].rstrip(":") for line in lines if line.startswith("skipped ")]
+    assert timed + skipped == ["smoke", "te_layer", "profile", "sweep", "inference", "transformer_kernel",
+                               "attention", "layernorm", "mlp"]
+    assert "warm phase (cap 120 s)" in run.stdout
+    assert not (tmp_path / "out" / "summary.md").exists()  # a dry run runs and writes nothing
