@@ -77,7 +77,7 @@ def _config(kwargs: dict, warps: int, stages: int):
 
 
 COLUMNS = ["sweep", "shape", "backend", "kernel", "config", "mode", "dropout", "median_ms", "graph_ms", "host_ms",
-           "TFLOP/s (graph)", "error"]
+           "TFLOP/s (graph)", "error", "note"]
 OUT: Stream | None = None  # main() sets it; rows go there as they are measured
 
 
@@ -88,7 +88,7 @@ def timed(label: dict, fn: Callable[[], object], flops: float | None = None) -> 
         for _ in range(2):  # compile, tune
             fn()
         t = bench(fn)
-        row.update(median_ms=t.median_ms, graph_ms=t.graph_ms, host_ms=t.host_ms)
+        row.update(median_ms=t.median_ms, graph_ms=t.graph_ms, host_ms=t.host_ms, note=t.note)
         best = t.graph_ms or t.median_ms
         if flops:
             row["TFLOP/s (graph)"] = flops / (best * 1e-3) / 1e12

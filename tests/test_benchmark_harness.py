@@ -122,3 +122,19 @@ def test_gpu_sh_dry_run_warms_every_step_then_times_them_in_order(tmp_path):
                                "attention", "layernorm", "mlp"]
     assert "warm phase (cap 120 s)" in run.stdout
     assert not (tmp_path / "out" / "summary.md").exists()  # a dry run runs and writes nothing
+
+
+def test_sweep_times_the_triton_kernels_not_the_auto_choice():
+    """Under backend "auto", CUDA runs torch's SDPA / F.layer_norm at some shapes (kernels/dispatch.py):
+    every tachyon op call in the sweep must name its backend, or a forced config times torch's kernel."""
+    import ast
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sweep.py").read_text()
+    calls = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Name) and node.func.id in ("attention", "layer_norm", "mlp")]
+    assert len(calls) >= 4
+    for call in calls:
+        backend = [kw.value.value for kw in call.keywords if kw.arg == "backend"]
+        assert backend == ["triton"], f"line {call.lineno}: {call.func.id}(...) without backend='triton'"
+    assert "F.scaled_dot_product_attention" in source and "F.layer_norm" in source  # the torch reference rows
