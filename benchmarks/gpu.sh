@@ -196,7 +196,7 @@ to_summary() {  # to_summary LOG OK: a step's log into summary.md; streamed rows
       echo "rows measured before it stopped:" >>"$out/summary.md"
       sed -n 's/^row //p' "$log" >>"$out/summary.md"
     fi
-    grep -v '^row |' "$log" | tail -n 30 | tee -a "$out/summary.md"
+    grep -v '^row |' "$log" | tail -n 80 | tee -a "$out/summary.md"
   fi
 }
 
