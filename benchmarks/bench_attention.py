@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import bench, measure_matmul_peak, output_dir, peak_memory, print_table, write_csv  # noqa: E402
+from benchmarks.common import Stream, bench, measure_matmul_peak, peak_memory  # noqa: E402
 
 # (name, batch, heads, kv_heads, seq, head_dim, causal)
 SHAPES = [
@@ -65,8 +65,10 @@ def main() -> None:
     shapes = SHAPES[:2] if args.quick else SHAPES
     peaks = {dt: measure_matmul_peak(dt) for dt in dtypes}
     for dt, peak in peaks.items():
-        print(f"measured {str(dt).removeprefix('torch.')} matmul rate: {peak / 1e12:.0f} TFLOP/s")
-    rows = []
+        print(f"measured {str(dt).removeprefix('torch.')} matmul rate: {peak / 1e12:.0f} TFLOP/s", flush=True)
+    columns = ["shape", "b,h,kv,s,d", "causal", "dtype", "variant", "mode", "median_ms", "p20_ms", "p80_ms", "graph_ms",
+               "host_ms", "TFLOP/s", "frac_matmul_peak", "peak_mem_MB", "note"]
+    out = Stream("bench_attention.csv", "attention", columns, title="Attention")
     for dtype in dtypes:
         for name, b, h, kvh, s, d, causal in shapes:
             q = torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -92,19 +94,16 @@ def main() -> None:
                         mem = peak_memory(run)
                     except (RuntimeError, torch.OutOfMemoryError) as exc:  # e.g. no flash kernel for GQA here
                         row.update(median_ms=float("nan"), note=f"{type(exc).__name__}: {str(exc)[:80]}")
-                        rows.append(row)
+                        out.add(row)
                         torch.cuda.empty_cache()
                         continue
                     tflops = t.rate(flops) / 1e12
-                    row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, graph_ms=t.graph_ms, host_ms=t.host_ms, **{"TFLOP/s": tflops},
-                               frac_matmul_peak=tflops * 1e12 / peaks[dtype], peak_mem_MB=mem / 2**20, note="")
-                    rows.append(row)
+                    row.update(**t.columns(), **{"TFLOP/s": tflops}, frac_matmul_peak=tflops * 1e12 / peaks[dtype],
+                               peak_mem_MB=mem / 2**20)
+                    out.add(row)
             del q, k, v, dout
             torch.cuda.empty_cache()
-    columns = ["shape", "b,h,kv,s,d", "causal", "dtype", "variant", "mode", "median_ms", "p20_ms", "p80_ms", "graph_ms", "host_ms",
-               "TFLOP/s", "frac_matmul_peak", "peak_mem_MB", "note"]
-    print_table(rows, columns, title="Attention")
-    write_csv(output_dir() / "bench_attention.csv", rows, "attention")
+    out.table()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import bench, measure_copy_bandwidth, output_dir, peak_memory, print_table, write_csv  # noqa: E402
+from benchmarks.common import Stream, bench, measure_copy_bandwidth, peak_memory  # noqa: E402
 
 SHAPES = [(4096, 1024), (4096, 4096), (8192, 4096), (16384, 4096), (16384, 8192)]
 
@@ -39,8 +39,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_layernorm needs a CUDA GPU")
     copy_bw = measure_copy_bandwidth()
-    print(f"measured copy bandwidth: {copy_bw / 1e9:.0f} GB/s")
-    rows = []
+    print(f"measured copy bandwidth: {copy_bw / 1e9:.0f} GB/s", flush=True)
+    out = Stream("bench_layernorm.csv", "layernorm", ["op", "dtype", "shape", "variant", "mode", "median_ms", "p20_ms",
+                                                      "p80_ms", "graph_ms", "host_ms", "GB/s", "frac_copy_bw",
+                                                      "peak_mem_MB", "note"], title="LayerNorm / RMSNorm")
     for kind in ("layernorm", "rmsnorm"):
         for dtype in (torch.float16, torch.bfloat16):
             for m, n in SHAPES[:2] if args.quick else SHAPES:
@@ -60,14 +62,12 @@ def main() -> None:
                     for mode, fn, nbytes in (("fwd", fwd, fwd_bytes), ("fwd+bwd", fwd_bwd, bwd_bytes)):
                         t = bench(fn)
                         gbs = t.rate(nbytes) / 1e9
-                        rows.append({
+                        out.add({
                             "op": kind, "dtype": str(dtype).removeprefix("torch."), "shape": f"{m}x{n}",
-                            "variant": name, "mode": mode, "median_ms": t.median_ms, "p20_ms": t.p20_ms,
-                            "p80_ms": t.p80_ms, "graph_ms": t.graph_ms, "host_ms": t.host_ms, "GB/s": gbs, "frac_copy_bw": gbs * 1e9 / copy_bw,
-                            "peak_mem_MB": peak_memory(fn) / 2**20,
+                            "variant": name, "mode": mode, **t.columns(), "GB/s": gbs,
+                            "frac_copy_bw": gbs * 1e9 / copy_bw, "peak_mem_MB": peak_memory(fn) / 2**20,
                         })
-    print_table(rows, title="LayerNorm / RMSNorm")
-    write_csv(output_dir() / "bench_layernorm.csv", rows, "layernorm")
+    out.table()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import bench, measure_matmul_peak, output_dir, peak_memory, print_table, write_csv  # noqa: E402
+from benchmarks.common import Stream, bench, measure_matmul_peak, peak_memory  # noqa: E402
 
 # (name, tokens, hidden, ffn, kernel activation)
 SHAPES = [("BERT-Large", 8192, 1024, 4096, "gelu"), ("GPT-2 XL", 8192, 1600, 6400, "gelu_tanh"),
@@ -62,8 +62,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_mlp needs a CUDA GPU")
     peak = measure_matmul_peak(torch.bfloat16)
-    print(f"measured bf16 matmul peak: {peak / 1e12:.0f} TFLOP/s")
-    rows = []
+    print(f"measured bf16 matmul peak: {peak / 1e12:.0f} TFLOP/s", flush=True)
+    out = Stream("bench_mlp.csv", "mlp", ["shape", "dtype", "variant", "mode", "median_ms", "p20_ms", "p80_ms", "graph_ms",
+                                          "host_ms", "TFLOP/s", "frac_matmul_peak", "peak_mem_MB", "note"],
+                 title="MLP block: activation in the GEMM epilogues vs cuBLAS + a separate kernel")
     for dtype in (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16):
         for name, tokens, hidden, ffn, activation in SHAPES[:1] if args.quick else SHAPES:
             rows_w1 = 2 * ffn if activation == "swiglu" else ffn
@@ -85,12 +87,10 @@ def main() -> None:
                 for mode, f, flops in (("fwd", fwd, gemm_flops), ("fwd+bwd", fwd_bwd, 3 * gemm_flops)):
                     t = bench(f)
                     tflops = t.rate(flops) / 1e12
-                    rows.append({"shape": name, "dtype": str(dtype).removeprefix("torch."), "variant": variant,
-                                 "mode": mode, "median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "graph_ms": t.graph_ms, "host_ms": t.host_ms,
-                                 "TFLOP/s": tflops, "frac_matmul_peak": tflops * 1e12 / peak,
-                                 "peak_mem_MB": peak_memory(f) / 2**20})
-    print_table(rows, title="MLP block: activation in the GEMM epilogues vs cuBLAS + a separate kernel")
-    write_csv(output_dir() / "bench_mlp.csv", rows, "mlp")
+                    out.add({"shape": name, "dtype": str(dtype).removeprefix("torch."), "variant": variant,
+                             "mode": mode, **t.columns(), "TFLOP/s": tflops, "frac_matmul_peak": tflops * 1e12 / peak,
+                             "peak_mem_MB": peak_memory(f) / 2**20})
+    out.table()
 
 
 if __name__ == "__main__":

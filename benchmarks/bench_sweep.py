@@ -14,7 +14,12 @@ kernel (the autotuner is given that config alone) and times the op with CUDA-gra
 - LayerNorm backward's partial-sum granularity (``tiling.MIN_ROWS_PER_PARTIAL``) at 4096 and
   8192 rows of 1024.
 
-    python benchmarks/bench_sweep.py [--only attention,mlp,norm] [--quick]
+Every tachyon row names ``backend="triton"``: under the default "auto", CUDA runs torch's SDPA /
+F.layer_norm wherever kernels/dispatch.py says so, and a forced config would time torch's kernel.
+Each shape has its torch reference rows beside them (SDPA, F.layer_norm, the cuBLAS MLP chain;
+"backend" column: torch). Rows print and go to the CSV as they are measured.
+
+    python benchmarks/bench_sweep.py [--only attention,mlp,norm] [--shapes bert-s128,...] [--quick]
 
 Writes bench_sweep.csv (results/latest or $TACHYON_BENCH_OUT). Needs a CUDA GPU.
 """
@@ -31,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import bench, output_dir, print_table, write_csv  # noqa: E402
+from benchmarks.common import Stream, bench  # noqa: E402
 
 ATTN_SHAPES = {"bert-s128": (64, 16, 128, 64, False), "bert-s512": (16, 16, 512, 64, False),
                "gpt-s2048": (4, 32, 2048, 128, True)}
@@ -71,28 +76,38 @@ def _config(kwargs: dict, warps: int, stages: int):
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
+COLUMNS = ["sweep", "shape", "backend", "kernel", "config", "mode", "dropout", "median_ms", "graph_ms", "host_ms",
+           "TFLOP/s (graph)", "error", "note"]
+OUT: Stream | None = None  # main() sets it; rows go there as they are measured
+
+
 def timed(label: dict, fn: Callable[[], object], flops: float | None = None) -> dict:
-    row = dict(label)
+    """One row: ``fn`` called twice (compile, tune), then timed; a failure is recorded in the row."""
+    row = {"backend": "triton", **label}
     try:
         for _ in range(2):  # compile, tune
             fn()
         t = bench(fn)
-        row.update(median_ms=t.median_ms, graph_ms=t.graph_ms, host_ms=t.host_ms)
+        row.update(median_ms=t.median_ms, graph_ms=t.graph_ms, host_ms=t.host_ms, note=t.note)
         best = t.graph_ms or t.median_ms
         if flops:
             row["TFLOP/s (graph)"] = flops / (best * 1e-3) / 1e12
     except Exception as exc:  # a config that does not compile or fit: recorded, the sweep goes on
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    if OUT is not None:
+        OUT.add(row)
     return row
 
 
-def attention_rows(quick: bool) -> list[dict]:
+def attention_rows(quick: bool, only_shapes: set[str] | None = None) -> list[dict]:
+    import torch.nn.functional as F
+
     from tachyon.kernels.attention import attention
     from tachyon.kernels.attention import triton as tri
 
     rows = []
-    shapes = {k: v for k, v in ATTN_SHAPES.items() if not quick or k != "bert-s512"}
+    shapes = {k: v for k, v in ATTN_SHAPES.items() if (not quick or k != "bert-s512")
+              and (only_shapes is None or k in only_shapes)}
     for name, (b, h, s, d, causal) in shapes.items():
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         dout = torch.randn_like(q)
@@ -102,12 +117,25 @@ def attention_rows(quick: bool) -> list[dict]:
         def fwd_bwd(p=0.0, one=True, det=True):
             q.grad = k.grad = v.grad = None
             out = attention(q, k, v, causal=causal, dropout_p=p, seed=seed if p else None, deterministic=det,
-                            one_kernel_backward=one)
+                            one_kernel_backward=one, backend="triton")
             out.backward(dout)
 
         def fwd(p=0.0):
             with torch.no_grad():
-                return attention(q, k, v, causal=causal, dropout_p=p, seed=seed if p else None)
+                return attention(q, k, v, causal=causal, dropout_p=p, seed=seed if p else None, backend="triton")
+
+        def sdpa_fwd():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        def sdpa_fwd_bwd():
+            q.grad = k.grad = v.grad = None
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(dout)
+
+        torch_row = {"sweep": "attention", "shape": name, "backend": "torch",
+                     "kernel": "F.scaled_dot_product_attention", "dropout": 0.0}
+        rows.append(timed({**torch_row, "mode": "fwd"}, sdpa_fwd, fwd_flops))
+        rows.append(timed({**torch_row, "mode": "fwd+bwd"}, sdpa_fwd_bwd, 3.5 * fwd_flops))
 
         for p in (0.0, 0.1):
             rows.append(timed({"sweep": "attention", "shape": name, "kernel": "default", "mode": "fwd", "dropout": p},
@@ -155,17 +183,18 @@ def mlp_rows(quick: bool) -> list[dict]:
 
     def tachyon_fwd():
         with torch.no_grad():
-            return mlp(x, w1, b1, "gelu", w2)
+            return mlp(x, w1, b1, "gelu", w2, backend="triton")
 
     def tachyon_fwd_bwd():
         x.grad = w1.grad = b1.grad = w2.grad = None
-        mlp(x, w1, b1, "gelu", w2).backward(dout)
+        mlp(x, w1, b1, "gelu", w2, backend="triton").backward(dout)
 
     def cublas_fwd_bwd():
         x.grad = w1.grad = b1.grad = w2.grad = None
         F.linear(F.gelu(F.linear(x, w1, b1)), w2).backward(dout)
 
-    rows = [timed({"sweep": "mlp", "kernel": "torch eager (cuBLAS)", "mode": "fwd+bwd"}, cublas_fwd_bwd, 3 * flops),
+    rows = [timed({"sweep": "mlp", "backend": "torch", "kernel": "torch eager (cuBLAS)", "mode": "fwd+bwd"},
+                  cublas_fwd_bwd, 3 * flops),
             timed({"sweep": "mlp", "kernel": "default", "mode": "fwd"}, tachyon_fwd, flops),
             timed({"sweep": "mlp", "kernel": "default", "mode": "fwd+bwd"}, tachyon_fwd_bwd, 3 * flops)]
     for n, k, w, st in GEMM[:4] if quick else GEMM:
@@ -196,39 +225,42 @@ def norm_rows(quick: bool) -> list[dict]:
                 fn(x, w, bias).backward(dy)
             return step
 
-        rows.append(timed({"sweep": "norm", "shape": f"{m}x1024", "kernel": "torch F.layer_norm", "mode": "fwd+bwd"},
+        rows.append(timed({"sweep": "norm", "shape": f"{m}x1024", "backend": "torch", "kernel": "F.layer_norm",
+                           "mode": "fwd+bwd"},
                           run(lambda a, ww, bb: F.layer_norm(a, (1024,), ww, bb))))
         saved = tiling.MIN_ROWS_PER_PARTIAL
         for rows_per_partial in ((8,) if quick else (2, 8, 32, 128)):
             tiling.MIN_ROWS_PER_PARTIAL = rows_per_partial
             rows.append(timed({"sweep": "norm", "shape": f"{m}x1024", "kernel": "tachyon layer_norm",
                                "config": f"MIN_ROWS_PER_PARTIAL={rows_per_partial}", "mode": "fwd+bwd"},
-                              run(lambda a, ww, bb: layer_norm(a, ww, bb))))
+                              run(lambda a, ww, bb: layer_norm(a, ww, bb, backend="triton"))))
         tiling.MIN_ROWS_PER_PARTIAL = saved
     return rows
 
 
-COLUMNS = ["sweep", "shape", "kernel", "config", "mode", "dropout", "median_ms", "graph_ms", "host_ms",
-           "TFLOP/s (graph)", "error"]
-
-
 def main() -> None:
+    global OUT
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default="attention,mlp,norm")
+    parser.add_argument("--shapes", default=None,
+                        help=f"attention shapes, comma-separated (default: all of {', '.join(ATTN_SHAPES)})")
     parser.add_argument("--quick", action="store_true", help="fewer shapes and configs")
     args = parser.parse_args()
+    only_shapes = set(args.shapes.split(",")) if args.shapes else None
+    if only_shapes and not only_shapes <= set(ATTN_SHAPES):
+        parser.error(f"--shapes: unknown {sorted(only_shapes - set(ATTN_SHAPES))}; known: {', '.join(ATTN_SHAPES)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_sweep needs a CUDA GPU")
     start = time.time()
-    rows = []
-    for name, fn in (("attention", attention_rows), ("mlp", mlp_rows), ("norm", norm_rows)):
-        if name in args.only.split(","):
-            new = fn(args.quick)
-            rows += new
-            # every row with every column (the CSV's header is the first row's keys), written as each sweep
-            # ends: a run cut off by its time limit keeps the sweeps it finished
-            write_csv(output_dir() / "bench_sweep.csv", [{c: r.get(c, "") for c in COLUMNS} for r in new], "sweep")
-    print_table(rows, COLUMNS, title=f"Config sweeps ({time.time() - start:.0f} s)")
+    OUT = Stream("bench_sweep.csv", "sweep", COLUMNS)
+    for name in args.only.split(","):
+        if name == "attention":
+            attention_rows(args.quick, only_shapes)
+        elif name in ("mlp", "norm"):
+            (mlp_rows if name == "mlp" else norm_rows)(args.quick)
+        else:
+            parser.error(f"--only: unknown sweep {name!r}; known: attention, mlp, norm")
+    OUT.table(title=f"Config sweeps ({time.time() - start:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,23 @@
 """One GPT layer, the Transformer Engine getting-started progression, forward+backward.
 
 Shape (the tutorial's): hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4, sbhd, dropout 0.1
-(attention and hidden), causal attention, bf16 and fp16. Variants, as the tutorial builds them:
+(attention and hidden), causal attention, bf16 and fp16 (--quick: bf16 only). Variants, as the tutorial
+builds them, run most valuable first (a run cut off by its time limit keeps those):
 
     torch.nn            BasicTransformerLayer: torch.nn.LayerNorm / Linear, SDPA attention, nn.Dropout
-    +tachyon Linear/LN  the same with tachyon.nn.Linear and tachyon.nn.LayerNorm
-    +LayerNormLinear/MLP  tachyon.nn.LayerNormLinear (LN + QKV) and LayerNormMLP, SDPA attention
     TransformerLayer    tachyon.nn.TransformerLayer (flash attention kernel, fused bias-dropout-add)
+    ... graphed           TransformerLayer (and each +FP8 row) captured by tachyon.make_graphed_callables
+                        (GPU only; graph_ms empty: the row's median is already the graph's replay)
     TransformerLayer+FP8 (<recipe>)  the same inside tachyon.autocast, one row per FP8 recipe (--recipe):
-                        delayed (DelayedScaling(HYBRID, amax history 16, "max"), the tutorial's),
-                        current (Float8CurrentScaling()), block (Float8BlockScaling()); bf16 only
-    ... graphed           TransformerLayer (and each +FP8 row) captured by tachyon.make_graphed_callables (GPU only)
+                        current (Float8CurrentScaling()), delayed (DelayedScaling(HYBRID, amax history 16,
+                        "max"), the tutorial's), block (Float8BlockScaling()); bf16 only
+    +tachyon Linear/LN  the same as torch.nn with tachyon.nn.Linear and tachyon.nn.LayerNorm
+    +LayerNormLinear/MLP  tachyon.nn.LayerNormLinear (LN + QKV) and LayerNormMLP, SDPA attention
     torch.compile       torch.compile(BasicTransformerLayer)
+
+The tachyon modules run with their default backend ("auto": on CUDA, the norms and attention without
+dropout go to torch's twin where kernels/dispatch.py says so); the "backend" column says so: these
+rows measure what a user of the modules gets, not one kernel.
 
 FLOPs counted per forward (T = seq * batch tokens, h hidden, f ffn): the GEMMs 2 T h (4 h + 2 f)
 and causal attention 2 b s^2 h (QK^T and PV over the lower triangle: half of the full 4 b s^2 h);
@@ -24,8 +30,8 @@ run's batch by batch / 8 (every op of the layer is linear in the batch size, so 
 batch 4 is half the batch-8 time). They are published reference numbers, not measured here.
 
 Needs a CUDA GPU. Usage: python benchmarks/bench_te_layer.py [--quick | --smoke] [--recipe NAME ...]
-(--recipe: the FP8 rows to run, any of delayed, current, block; default all three; --quick:
-hidden 1024, ffn 4096, 16 heads, seq 512, batch 4; --smoke: every variant's code path on CPU at
+(--recipe: the FP8 rows to run, any of current, delayed, block; default all three; --quick:
+hidden 1024, ffn 4096, 16 heads, seq 512, batch 4, bf16; --smoke: every variant's code path on CPU at
 a toy shape, a check that the script works, not a measurement; torch.compile with aot_eager)
 """
 
@@ -43,7 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import bench, measure_matmul_peak, output_dir, peak_memory, print_table, write_csv  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    ALREADY_GRAPHED, Stream, bench, measure_matmul_peak, peak_memory, print_table)
 
 FULL = {"hidden": 4096, "ffn": 16384, "heads": 32, "seq": 2048, "batch": 4}
 QUICK = {"hidden": 1024, "ffn": 4096, "heads": 16, "seq": 512, "batch": 4}
@@ -116,7 +123,7 @@ class FusedTransformerLayer(nn.Module):
         return self.ln_mlp(x) + x
 
 
-RECIPES = ("delayed", "current", "block")
+RECIPES = ("current", "delayed", "block")  # the order their rows run in
 
 
 def fp8_recipe(name: str):
@@ -159,18 +166,19 @@ def build_variants(shape: dict, dtype: torch.dtype, device: str,
             return tachyon.make_graphed_callables(module, (x,), **fp8), contextlib.nullcontext
         return build
 
-    variants = {
+    variants = {  # most valuable first: a run cut off by its time limit keeps these
         "torch.nn": make(lambda: BasicTransformerLayer(h, f, heads)),
-        "+tachyon Linear/LN": make(lambda: BasicTransformerLayer(h, f, heads, linear=tnn.Linear, layernorm=tnn.LayerNorm)),
-        "+LayerNormLinear/MLP": make(lambda: FusedTransformerLayer(h, f, heads)),
         "TransformerLayer": make(te_layer),
+        "TransformerLayer graphed": graphed(te_layer),
     }
-    variants["TransformerLayer graphed"] = graphed(te_layer)
     if dtype == torch.bfloat16:
-        for name in recipes:
+        for name in (r for r in RECIPES if r in recipes):
             variants[f"TransformerLayer+FP8 ({name})"] = make(te_layer, fp8_ctx(name))
             variants[f"TransformerLayer+FP8 ({name}) graphed"] = graphed(
                 te_layer, fp8_ctx(name), fp8_enabled=True, fp8_recipe=fp8_recipe(name))
+    variants["+tachyon Linear/LN"] = make(lambda: BasicTransformerLayer(h, f, heads, linear=tnn.Linear,
+                                                                        layernorm=tnn.LayerNorm))
+    variants["+LayerNormLinear/MLP"] = make(lambda: FusedTransformerLayer(h, f, heads))
     # on CPU (the smoke run) the inductor backend would need a C++ compiler
     compile_kwargs = {} if device == "cuda" else {"backend": "aot_eager"}
     variants["torch.compile"] = make(lambda: torch.compile(BasicTransformerLayer(h, f, heads), **compile_kwargs))
@@ -183,8 +191,10 @@ def layer_flops(shape: dict) -> float:
     return 2.0 * s * b * h * (4 * h + 2 * f) + 2.0 * b * s * s * h
 
 
-def time_variant(module: nn.Module, ctx, x: torch.Tensor, dy: torch.Tensor, mode: str, reps: dict | None = None):
-    """(fn to time, Timing): mode "fwd" (training forward) or "fwd+bwd"."""
+def time_variant(module: nn.Module, ctx, x: torch.Tensor, dy: torch.Tensor, mode: str, reps: dict | None = None,
+                 graphed: bool = False):
+    """(fn to time, Timing): mode "fwd" (training forward) or "fwd+bwd"; ``graphed``: the module is
+    already CUDA graphs (no capture of it again: graph_ms stays empty, the median is the replay)."""
     def fwd():
         with ctx():
             return module(x)
@@ -196,12 +206,18 @@ def time_variant(module: nn.Module, ctx, x: torch.Tensor, dy: torch.Tensor, mode
     fn = fwd if mode == "fwd" else fwd_bwd
     for _ in range(3):  # compile, autotune, FP8 amax history
         fn()
-    return fn, bench(fn, **(reps or {}))
+    return fn, bench(fn, **(reps or {}), graph=ALREADY_GRAPHED if graphed else True)
+
+
+COLUMNS = ["variant", "backend", "dtype", "mode", "shape", "median_ms", "p20_ms", "p80_ms", "graph_ms", "host_ms",
+           "TFLOP/s", "frac_bf16_peak", "speedup_vs_torch.nn", "speedup_vs_TransformerLayer", "peak_mem_MB", "note"]
+TORCH_ONLY = ("torch.nn", "torch.compile")  # no tachyon module inside: no backend to name
 
 
 def run(shape: dict, dtypes, device: str = "cuda", bf16_peak: float | None = None, reps: dict | None = None,
-        recipes: tuple[str, ...] = RECIPES) -> list[dict]:
-    rows = []
+        recipes: tuple[str, ...] = RECIPES, out: Stream | None = None) -> list[dict]:
+    """Every variant's rows, each handed to ``out`` (printed and written) as it is measured."""
+    out = out or Stream(None, "te_layer", COLUMNS, echo=False)
     fwd_flops = layer_flops(shape)
     for dtype in dtypes:
         x = torch.randn(shape["seq"], shape["batch"], shape["hidden"], device=device, dtype=dtype)
@@ -211,15 +227,15 @@ def run(shape: dict, dtypes, device: str = "cuda", bf16_peak: float | None = Non
         for name, build in build_variants(shape, dtype, device, recipes).items():
             module, ctx = build()
             for mode, flops in (("fwd", fwd_flops), ("fwd+bwd", 3 * fwd_flops)):
-                fn, t = time_variant(module, ctx, x, dy, mode, reps)
+                fn, t = time_variant(module, ctx, x, dy, mode, reps, graphed=name.endswith("graphed"))
                 tflops = t.rate(flops) / 1e12
                 baseline.setdefault(mode, t.median_ms)
                 if name == "TransformerLayer":
                     layer_ms[mode] = t.median_ms
-                rows.append({
-                    "variant": name, "dtype": str(dtype).removeprefix("torch."), "mode": mode,
-                    "shape": "h{hidden} f{ffn} a{heads} s{seq} b{batch}".format(**shape),
-                    "median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "graph_ms": t.graph_ms, "host_ms": t.host_ms, "TFLOP/s": tflops,
+                out.add({
+                    "variant": name, "backend": "-" if name in TORCH_ONLY else "auto",
+                    "dtype": str(dtype).removeprefix("torch."), "mode": mode,
+                    "shape": "h{hidden} f{ffn} a{heads} s{seq} b{batch}".format(**shape), **t.columns(), "TFLOP/s": tflops,
                     "frac_bf16_peak": tflops * 1e12 / bf16_peak if bf16_peak else float("nan"),
                     "speedup_vs_torch.nn": baseline[mode] / t.median_ms,
                     "speedup_vs_TransformerLayer": layer_ms[mode] / t.median_ms if mode in layer_ms else float("nan"),
@@ -229,7 +245,7 @@ def run(shape: dict, dtypes, device: str = "cuda", bf16_peak: float | None = Non
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
-    return rows
+    return out.rows
 
 
 def published_rows(shape: dict) -> list[dict]:
@@ -251,22 +267,25 @@ def main() -> None:
     args = parser.parse_args()
     recipes = tuple(args.recipe)
     if args.smoke:
-        rows = run(SMOKE, (torch.bfloat16, torch.float32), device="cpu", reps={"warmup": 1, "rep": 2}, recipes=recipes)
-        print_table(rows, title="smoke run on CPU (toy shape; timings meaningless)")
+        out = Stream(None, "te_layer", COLUMNS, title="smoke run on CPU (toy shape; timings meaningless)")
+        run(SMOKE, (torch.bfloat16, torch.float32), device="cpu", reps={"warmup": 1, "rep": 2}, recipes=recipes, out=out)
+        out.table()
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_te_layer needs a CUDA GPU")
     shape = QUICK if args.quick else FULL
     peak = measure_matmul_peak(torch.bfloat16)
-    print(f"measured bf16 matmul peak: {peak / 1e12:.0f} TFLOP/s")
-    rows = run(shape, (torch.bfloat16, torch.float16), bf16_peak=peak, recipes=recipes)
-    print_table(rows, title="GPT layer, TE tutorial progression (forward / forward+backward)")
+    print(f"measured bf16 matmul peak: {peak / 1e12:.0f} TFLOP/s", flush=True)
+    out = Stream("bench_te_layer.csv", "te_layer", COLUMNS,
+                 title="GPT layer, TE tutorial progression (forward / forward+backward)")
+    run(shape, (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16), bf16_peak=peak, recipes=recipes,
+        out=out)
+    out.table()
     if shape is FULL:
         print_table(published_rows(shape), title="Transformer Engine, published H100 figures (NOT measured here; "
                                                  "batch 8 scaled by batch / 8)")
     else:
         print("\n(published Transformer Engine figures are for the full shape; run without --quick to compare)")
-    write_csv(output_dir() / "bench_te_layer.csv", rows, "te_layer")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ seq 512 batch 16, fp16 and bf16, forward and forward+backward: tachyon post-LN a
 pre-LN with ``stochastic_mode=True``: the attention backward accumulates dQ with atomics; its
 forward is the same, so it is timed for forward+backward only) vs HF BertLayer in eager PyTorch
 (SDPA attention) vs torch.compile(HF BertLayer) vs torch.compile(tachyon pre-LN), and the pre-LN layer
-captured with ``tachyon.make_graphed_callables`` (its forward and backward replayed). Reports median ms
-(p20, p80), TFLOP/s, the fraction of the measured matmul rate, and peak memory. Then the largest
+captured with ``tachyon.make_graphed_callables`` (its forward and backward replayed; graph_ms empty: its
+median is already the replay). Reports median ms (p20, p80), TFLOP/s, the fraction of the measured matmul
+rate, and peak memory. The tachyon layers run with their default backend ("auto"; the "backend" column):
+what a user of the layer gets. Rows print and go to the CSV as they are measured. Then the largest
 micro-batch of a 24-layer BERT-Large stack (fp16, forward+backward) for every memory-flag
 setting and for HF, by binary search with OOM catching (the seed tutorial's table).
 
@@ -30,7 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import bench, measure_matmul_peak, output_dir, peak_memory, print_table, write_csv  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    ALREADY_GRAPHED, Stream, bench, measure_matmul_peak, output_dir, peak_memory, print_table, warm_mode, write_csv)
 
 HIDDEN, HEADS, FFN, LAYERS = 1024, 16, 4096, 24
 DEVICE = "cuda"
@@ -109,16 +112,22 @@ def memory_table() -> list[dict]:
 
 # --- GPU timing ----------------------------------------------------------------------------------
 
-def speed_rows(quick: bool) -> list[dict]:
+SPEED_COLUMNS = ["layer", "backend", "dtype", "seq", "batch", "mode", "median_ms", "p20_ms", "p80_ms", "graph_ms",
+                 "host_ms", "TFLOP/s", "frac_matmul_peak", "peak_mem_MB", "note"]
+BATCH_COLUMNS = ["stack", "seq", "dtype", "max_micro_batch", "note"]
+
+
+def speed_rows(quick: bool, out: Stream | None = None) -> list[dict]:
     from tachyon.nn import TransformerKernelLayer
+
+    out = out or Stream(None, "transformer_kernel", SPEED_COLUMNS, echo=False)
 
     if DEVICE == "cuda":
         peaks = {dt: measure_matmul_peak(dt) for dt in (torch.float16, torch.bfloat16)}
     else:  # --smoke on CPU: no meaningful peak
         peaks = dict.fromkeys((torch.float16, torch.bfloat16), float("nan"))
     for dt, rate in peaks.items():
-        print(f"measured {dt} matmul: {rate / 1e12:.0f} TFLOP/s")
-    rows = []
+        print(f"measured {dt} matmul: {rate / 1e12:.0f} TFLOP/s", flush=True)
     shapes = SPEED_SHAPES[:1] if quick else SPEED_SHAPES
     dtypes = [torch.bfloat16] if quick else [torch.float16, torch.bfloat16]
     for seq, batch in shapes:
@@ -160,15 +169,15 @@ def speed_rows(quick: bool) -> list[dict]:
                 for mode, fn, flops in (("fwd", fwd, layer_flops(batch, seq)), ("fwd+bwd", fwd_bwd, 3 * layer_flops(batch, seq))):
                     if mode == "fwd" and "stochastic_mode" in name:
                         continue  # the forward is the deterministic layer's
-                    t = bench(fn)
+                    t = bench(fn, graph=ALREADY_GRAPHED if name.endswith("graphed") else True)
                     rate = t.rate(flops)
-                    rows.append({
-                        "layer": name, "dtype": str(dtype).removeprefix("torch."), "seq": seq, "batch": batch,
-                        "mode": mode, "median_ms": t.median_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "graph_ms": t.graph_ms, "host_ms": t.host_ms,
-                        "TFLOP/s": rate / 1e12, "frac_matmul_peak": rate / peaks[dtype],
+                    out.add({
+                        "layer": name, "backend": "auto" if "tachyon" in name else "-",
+                        "dtype": str(dtype).removeprefix("torch."), "seq": seq, "batch": batch, "mode": mode,
+                        **t.columns(), "TFLOP/s": rate / 1e12, "frac_matmul_peak": rate / peaks[dtype],
                         "peak_mem_MB": peak_memory(fn) / 2**20,
                     })
-    return rows
+    return out.rows
 
 
 def _fits(make_stack, seq: int, batch: int, dtype: torch.dtype, kernel: bool) -> bool:
@@ -194,12 +203,14 @@ def _fits(make_stack, seq: int, batch: int, dtype: torch.dtype, kernel: bool) ->
             torch.cuda.empty_cache()
 
 
-def max_batch_rows(quick: bool) -> list[dict]:
-    """Largest micro-batch of a 24-layer BERT-Large stack (fp16, fwd+bwd) per flag setting."""
+def max_batch_rows(quick: bool, out: Stream | None = None) -> list[dict]:
+    """Largest micro-batch of a 24-layer BERT-Large stack (fp16, fwd+bwd) per flag setting. Warm mode:
+    each stack once at batch 2 (compiles its kernels) and no search (it would fill the GPU's memory,
+    which the warm phase shares between processes)."""
     from tachyon.nn import TransformerKernelLayer
 
+    out = out or Stream(None, "transformer_kernel_max_batch", BATCH_COLUMNS, echo=False)
     dtype = torch.float16
-    rows = []
     for seq, upper in MAX_BATCH_SEARCH:
         settings = [dict(zip(FLAGS, on)) for on in itertools.product([False, True], repeat=3)]
         if quick:
@@ -214,6 +225,9 @@ def max_batch_rows(quick: bool) -> list[dict]:
         makers["HF BertLayer (sdpa)"] = (lambda batch: torch.nn.ModuleList(
             [hf_layer("sdpa", dtype, DEVICE) for _ in range(LAYERS)]), False)
         for name, (make, kernel) in makers.items():
+            if warm_mode():
+                _fits(make, seq, 2, dtype, kernel)
+                continue
             lo, hi = 0, upper  # lo fits (0 trivially), hi + 1 is not tried
             while lo < hi:
                 mid = (lo + hi + 1) // 2
@@ -221,10 +235,9 @@ def max_batch_rows(quick: bool) -> list[dict]:
                     lo = mid
                 else:
                     hi = mid - 1
-            rows.append({"stack": name, "seq": seq, "dtype": "float16", "max_micro_batch": lo,
-                         "note": f"searched up to {upper}" if lo == upper else ""})
-            print(f"  {name} seq {seq}: {lo}", file=sys.stderr)
-    return rows
+            out.add({"stack": name, "seq": seq, "dtype": "float16", "max_micro_batch": lo,
+                     "note": f"searched up to {upper}" if lo == upper else ""})
+    return out.rows
 
 
 def main() -> None:
@@ -245,14 +258,14 @@ def main() -> None:
         return
     if not torch.cuda.is_available() and not args.smoke:
         raise SystemExit("bench_transformer_kernel needs a CUDA GPU (or pass --memory-table for the CPU table)")
-    rows = speed_rows(args.quick)
-    print_table(rows, title="BERT-Large layer: tachyon vs HF BertLayer vs torch.compile")
-    if not args.smoke:
-        write_csv(output_dir() / "bench_transformer_kernel.csv", rows, "transformer_kernel")
-    batches = max_batch_rows(args.quick)
-    print_table(batches, title=f"Largest micro-batch, {LAYERS}-layer BERT-Large stack, fp16, fwd+bwd")
-    if not args.smoke:
-        write_csv(output_dir() / "bench_transformer_kernel_max_batch.csv", batches, "transformer_kernel_max_batch")
+    speed = Stream(None if args.smoke else "bench_transformer_kernel.csv", "transformer_kernel", SPEED_COLUMNS,
+                   title="BERT-Large layer: tachyon vs HF BertLayer vs torch.compile")
+    speed_rows(args.quick, speed)
+    speed.table()
+    batches = Stream(None if args.smoke else "bench_transformer_kernel_max_batch.csv", "transformer_kernel_max_batch",
+                     BATCH_COLUMNS, title=f"Largest micro-batch, {LAYERS}-layer BERT-Large stack, fp16, fwd+bwd")
+    max_batch_rows(args.quick, batches)
+    batches.table()
 
 
 if __name__ == "__main__":

@@ -9,10 +9,13 @@ follow: the BERT kernel layer's one-node eager path against its op-by-op path (b
 ``make_graphed_callables`` against eager calls (bit for bit).
 
 This is the budgeted part of ``benchmarks/gpu.sh``; the full ``pytest -m gpu`` stays available
-(``--only tests``). Writes gpu_smoke.csv and prints one line per case (PASS / FAIL / ERROR with
-the reason); exits 1 if any case failed.
+(``--only tests``). bf16 runs first, then fp16. Prints one line per case (PASS / FAIL / ERROR with
+the reason) and appends it to gpu_smoke.csv as it finishes; exits 1 if any case failed.
+``--shard I/N`` runs every N-th case from the I-th (the layer checks count as one case): gpu.sh's
+warm phase compiles the kernels in N processes at once that way.
 
     python benchmarks/gpu_smoke.py               # on a GPU: real shapes
+    python benchmarks/gpu_smoke.py --dtype bf16 --shard 0/4
     TRITON_INTERPRET=1 python benchmarks/gpu_smoke.py --cpu   # the script's logic on CPU, toy shapes
 """
 
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import output_dir, print_table, write_csv  # noqa: E402
+from benchmarks.common import Stream  # noqa: E402
 
 ATOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-5}
 
@@ -234,22 +237,44 @@ def layer_checks(device: str, small: bool, dtype: torch.dtype) -> list[dict]:
     return rows
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def shard(spec: str) -> tuple[int, int]:
+    """"I/N" -> (I, N) with 0 <= I < N."""
+    try:
+        index, count = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard takes I/N (e.g. 0/4); got {spec!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"--shard I/N needs 0 <= I < N; got {spec!r}")
+    return index, count
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="toy shapes on CPU (TRITON_INTERPRET=1): checks the script")
+    parser.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=None,
+                        help="the dtypes to check, in order (default: bf16 fp16 on a GPU, fp16 with --cpu)")
+    parser.add_argument("--shard", type=shard, default=(0, 1), help="I/N: every N-th case from the I-th (default 0/1)")
     args = parser.parse_args()
     if not args.cpu and not torch.cuda.is_available():
         raise SystemExit("gpu_smoke needs a CUDA GPU (or --cpu under TRITON_INTERPRET=1 to check the script)")
     device = "cpu" if args.cpu else "cuda"
-    dtypes = [torch.float16] if args.cpu else [torch.float16, torch.bfloat16]
-    rows = []
-    for dtype in dtypes:
-        for name, fn, inputs in cases(device, args.cpu):
-            rows.append(check(name, fn, inputs, dtype))
-        rows += layer_checks(device, args.cpu, dtype)
-    print_table(rows, ["case", "dtype", "result", "worst", "seconds", "detail"], title="GPU smoke")
-    if not args.cpu:
-        write_csv(output_dir() / "gpu_smoke.csv", rows, "gpu_smoke")
+    names = args.dtype or (["fp16"] if args.cpu else ["bf16", "fp16"])
+    index, count = args.shard
+    out = Stream(None if args.cpu else "gpu_smoke.csv", "gpu_smoke",
+                 ["case", "dtype", "result", "worst", "seconds", "detail"], title="GPU smoke", echo=False)
+    for dtype in (DTYPES[n] for n in names):
+        todo = cases(device, args.cpu)
+        for position, (name, fn, inputs) in enumerate(todo):
+            if position % count == index:
+                out.add(check(name, fn, inputs, dtype))
+        if len(todo) % count == index:  # the layer checks: one more case
+            for row in layer_checks(device, args.cpu, dtype):
+                out.add(row)
+    out.table()
+    rows = out.rows
     failed = [r for r in rows if r["result"] != "PASS"]
     print(f"{len(rows) - len(failed)} of {len(rows)} cases passed")
     sys.exit(1 if failed else 0)
