@@ -43,7 +43,7 @@ TransformerLayers, tied embeddings, learned positions), bf16 with fp32 masters, 
   without offload and for stage 3 with ``offload_optimizer`` + ``offload_param``. Layers double
   from an estimate (a third of what the memory could hold at 16 bytes per parameter) until a try
   runs out of memory (``torch.cuda.OutOfMemoryError``), then bisect; every try is freed (engine
-  destroyed, gc, empty_cache) before the next. Sizes whose host bytes (offload: estimated 22
+  destroyed, gc, empty_cache) before the next. Sizes whose host bytes (offload: estimated 24
   bytes per parameter) would exceed the host's available memory are not tried: a host that runs
   out is killed, not told. Each row gives the parameter count, the peak device memory and the
   host bytes of the model states; the summary row per mode the largest that completed a step and
@@ -201,10 +201,14 @@ STEP_VARIANTS = [  # (row name, offload_optimizer, offload_param); None: plain F
 SWEEP_MODES = [("stage 3", False), ("stage 3 + offload_optimizer + offload_param", True)]
 # model-state bytes per parameter a sweep sizes against: on the device without offload (fp32
 # shard, fp32 gradient, Adam's two moments), on the host with offload (those plus the bf16
-# parameter and gradient shards FSDP2's CPU offload policy keeps there, and some slack)
-BYTES_PER_PARAM = {False: 16, True: 22}
-HOST_RESERVE = 8 << 30  # host bytes the offload sweep leaves to everything else
-SMOKE_CAPACITY = {False: 2_000_000, True: 2_400_000}  # --gpu-smoke's made-up device / host bytes (up to 9 / 8 layers)
+# parameter and gradient shards FSDP2's CPU offload policy keeps there, and slack for the copies
+# made while sharding: a host that runs out kills the process instead of raising)
+BYTES_PER_PARAM = {False: 16, True: 24}
+HOST_RESERVE = 10 << 30  # host bytes the offload sweep leaves to everything else
+# a guess of one try's seconds per billion parameters (build, shard, one step, free), used only to
+# size the first try to the time left; later tries are predicted from the previous one
+PRIOR_S_PER_GPARAM = {False: 2.0, True: 10.0}
+SMOKE_CAPACITY = {False: 2_000_000, True: 2_400_000}  # --gpu-smoke's made-up device / host bytes (up to 9 / 7 layers)
 SMOKE_FILL = 0.7  # --gpu-smoke: a step "runs out of memory" past this fraction of SMOKE_CAPACITY
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 GPU_CSV = {"step": "bench_zero3_gpu_step.csv", "try": "bench_zero3_gpu_sweep.csv",
@@ -478,6 +482,10 @@ def _try_size(run: GpuRun, mode: str, offload: bool, size: GPTSize, params: int,
         _one_step(run, holder, size, offload, params)
     except torch.cuda.OutOfMemoryError as exc:
         status, error = "out of memory", str(exc).strip().splitlines()[0][:160]
+    except RuntimeError as exc:  # NCCL and cuBLAS allocate outside torch's allocator and say it in words
+        if "out of memory" not in str(exc).lower():
+            raise
+        status, error = "out of memory", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
     host = holder.get("host", 0)
     peak = torch.cuda.max_memory_allocated() - before if run.device.type == "cuda" else None
     _free(holder, run)
@@ -494,9 +502,10 @@ def largest_section(run: GpuRun, mode: str, offload: bool, deadline: float) -> d
 
     On an H100 (estimate): without offload a try at 2-4B parameters builds in ~2 s and steps in
     well under a second (first-step optimizer states included), ~3-6 s a try with the freeing, and
-    the sweep takes 6-8 tries (~30 s). With offload a try at ~4B parameters pins ~80 GB of host
-    memory and steps Adam on the CPU: tens of seconds, so --quick may finish with one or two tries
-    and say that the time budget stopped it."""
+    the sweep takes ~5 tries with --quick (~30 s). With offload the host is the limit (~4-5B
+    parameters in 128 GB) and the sweep starts there: a try pins ~70 GB of host memory and steps
+    Adam on the CPU, tens of seconds, so --quick may finish after one or two tries and say that
+    the time budget stopped it (its first try is sized to the time left by PRIOR_S_PER_GPARAM)."""
     size = SMOKE_SWEEP_SIZE if run.smoke else SWEEP_SIZE
     base, per_layer = _param_counts(size)
     if run.smoke:
@@ -518,8 +527,12 @@ def largest_section(run: GpuRun, mode: str, offload: bool, deadline: float) -> d
     failed: dict | None = None
     last: tuple[float, int] | None = None  # (seconds, layers) of the latest try
     layers, stop, tries = start, "", 0
+    fit = int(((deadline - time.perf_counter()) / PRIOR_S_PER_GPARAM[offload] * 1e9 - base) // per_layer)
+    if fit < layers:  # the first try sized to the time left (by the prior guess)
+        layers = max(1, fit)
     while True:
-        if last is not None and time.perf_counter() + last[0] * layers / last[1] > deadline:
+        predicted = last[0] * layers / last[1] if last else PRIOR_S_PER_GPARAM[offload] * (base + layers * per_layer) / 1e9
+        if time.perf_counter() + predicted > deadline:
             stop = f"time budget (the next try, {layers} layers, would not finish in it)"
             break
         row = _try_size(run, mode, offload, dataclasses.replace(size, layers=layers), base + layers * per_layer, before)
