@@ -79,6 +79,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--gpu" in sys.argv:  # before torch is imported: the largest-model sweep is less fragmented with it
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
+import torch  # noqa: E402
+
 from benchmarks.common import format_table, output_dir, print_table, write_csv  # noqa: E402
 
 VARIANTS = [  # (stage, offload_optimizer, offload_param)
@@ -219,9 +221,6 @@ class GpuRun:
     """What the GPU part's sections share: the device, the clock and budget, and the output."""
 
     def __init__(self, smoke: bool, quick: bool, budget: float) -> None:
-        import torch
-
-        self.torch = torch
         self.smoke, self.quick = smoke, quick
         self.device = torch.device("cpu" if smoke else "cuda")
         self.started = time.perf_counter()
@@ -235,13 +234,13 @@ class GpuRun:
 
     def sync(self) -> None:
         if self.device.type == "cuda":
-            self.torch.cuda.synchronize()
+            torch.cuda.synchronize()
 
     def allocated(self, collect: bool = True) -> int:
         """Bytes of live tensors: the CUDA allocator's count, or on CPU every reachable storage
         (``collect``: garbage-collect first)."""
         if self.device.type == "cuda":
-            return self.torch.cuda.memory_allocated()
+            return torch.cuda.memory_allocated()
         from tachyon.engine.zero import live_tensor_bytes
 
         return live_tensor_bytes(collect=collect)
@@ -277,8 +276,6 @@ def _start_one_rank(device_type: str) -> None:
 
 def _gpt(size: GPTSize, device, dtype):
     """tachyon train's GPT at ``size``, built directly on ``device`` (seeded: equal builds are equal)."""
-    import torch
-
     from tachyon.train.models import GPT
 
     torch.manual_seed(0)
@@ -288,16 +285,12 @@ def _gpt(size: GPTSize, device, dtype):
 
 def _param_counts(size: GPTSize) -> tuple[int, int]:
     """(parameters outside the layers, parameters per layer) of the GPT at ``size``, built on meta."""
-    import torch
-
     counts = [sum(p.numel() for p in _gpt(dataclasses.replace(size, layers=n), "meta", torch.float32).parameters())
               for n in (1, 2)]
     return 2 * counts[0] - counts[1], counts[1] - counts[0]
 
 
 def _batch(size: GPTSize, device) -> tuple:
-    import torch
-
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, size.vocab, (size.batch, size.seq + 1), generator=g).to(device)
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
@@ -332,7 +325,6 @@ def _tachyon_step(engine, batch, after_forward=None):
 def _fsdp2_step(model, device, batch):
     """Plain FSDP2 on ``model`` (fp32): the units stage 3 shards, then the root; bf16 compute, fp32
     reductions; fused AdamW on the sharded fp32 parameters."""
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -354,7 +346,6 @@ def _fsdp2_step(model, device, batch):
 def _time_steps(run: GpuRun, step, n: int) -> list[float]:
     """ms of each of ``n`` steps run back to back: CUDA events around each (one synchronize at the
     end, so the host may run ahead as in training), perf_counter on CPU."""
-    torch = run.torch
     if run.device.type == "cuda":
         marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
         for start, end in marks:
@@ -380,8 +371,8 @@ def _free(holder: dict, run: GpuRun) -> None:
     holder.clear()
     gc.collect()
     if run.device.type == "cuda":
-        run.torch.cuda.synchronize()
-        run.torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def step_time_section(run: GpuRun) -> None:
@@ -390,7 +381,6 @@ def step_time_section(run: GpuRun) -> None:
     On an H100 (estimate, --quick): building the four models ~15 s (the offloaded ones pin ~8 GB
     of host memory each), warm-up ~10 s (two steps each; an offloaded step is ~1 s of CPU Adam over
     470M parameters), 3 rounds of 4 + 4 device steps (~70 ms each) and 1 + 1 offloaded ones: ~10 s."""
-    torch = run.torch
     size = SMOKE_STEP_SIZE if run.smoke else STEP_SIZE
     rounds, steps, offload_steps, warmup = (2, 1, 1, 1) if run.smoke else (3, 4, 1, 2) if run.quick else (5, 10, 2, 3)
     batch = _batch(size, run.device)
@@ -452,8 +442,6 @@ def step_time_section(run: GpuRun) -> None:
 
 def _fake_memory_limit(params: int, offload: bool) -> None:
     """--gpu-smoke's stand-in for a device (or host) running out: raise as CUDA would."""
-    import torch
-
     need = BYTES_PER_PARAM[offload] * params
     if need > SMOKE_FILL * SMOKE_CAPACITY[offload]:
         raise torch.cuda.OutOfMemoryError(f"fake memory limit: {need} bytes of model states > "
@@ -461,7 +449,7 @@ def _fake_memory_limit(params: int, offload: bool) -> None:
 
 
 def _one_step(run: GpuRun, holder: dict, size: GPTSize, offload: bool, params: int) -> None:
-    model = holder["model"] = _gpt(size, run.device, run.torch.bfloat16)
+    model = holder["model"] = _gpt(size, run.device, torch.bfloat16)
     holder["engine"] = _tachyon_engine(model, size, offload, offload)
     del model
     check = (lambda: _fake_memory_limit(params, offload)) if run.smoke else None
@@ -473,7 +461,6 @@ def _one_step(run: GpuRun, holder: dict, size: GPTSize, offload: bool, params: i
 def _try_size(run: GpuRun, mode: str, offload: bool, size: GPTSize, params: int, before: int) -> dict:
     """One training step of the GPT at ``size``; the row says whether it completed or ran out of
     memory, and how many bytes above ``before`` are still allocated once the try is freed."""
-    torch = run.torch
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     holder: dict = {}
@@ -515,7 +502,7 @@ def largest_section(run: GpuRun, mode: str, offload: bool, deadline: float) -> d
 
         capacity, where = (available_host_bytes() or 0) - HOST_RESERVE, "host memory available"
     else:
-        capacity, where = run.torch.cuda.mem_get_info()[1], "device memory"
+        capacity, where = torch.cuda.mem_get_info()[1], "device memory"
     max_layers = int((capacity / BYTES_PER_PARAM[offload] - base) // per_layer)
     if max_layers < 1:
         raise RuntimeError(f"{mode}: {where} ({capacity / 1e9:.1f} GB) cannot hold even one layer's model states")
@@ -568,8 +555,6 @@ def largest_section(run: GpuRun, mode: str, offload: bool, deadline: float) -> d
 
 def gpu_main(smoke: bool, quick: bool, budget: float | None, parts: str) -> int:
     """The GPU part (or, ``smoke``, its code on the CPU at tiny sizes); returns the exit status."""
-    import torch
-
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("bench_zero3.py --gpu needs a CUDA device and torch.cuda.is_available() is False here; "
                          "--gpu-smoke runs the same code on the CPU at tiny sizes")
@@ -591,7 +576,9 @@ def gpu_main(smoke: bool, quick: bool, budget: float | None, parts: str) -> int:
             except Exception:
                 run.error("step time")
         if parts in ("all", "largest"):
-            share = run.left() * 0.45  # without offload first; offload gets the rest of the budget
+            # --quick on an H100 (estimates): imports and the nccl group ~10 s, step time ~35 s, then
+            # ~30 s for each sweep; without offload first, offload gets the rest of the budget
+            share = run.left() * 0.45
             for mode, offload in SWEEP_MODES:
                 deadline = time.perf_counter() + share if not offload else run.deadline
                 try:
