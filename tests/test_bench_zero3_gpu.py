@@ -77,3 +77,49 @@ def test_the_sweep_finds_the_largest_size_under_the_fake_limit_and_frees_every_t
 def test_gpu_part_refuses_without_cuda():
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         bench_zero3.main(["--gpu", "--quick"])
+
+
+def _sweep(monkeypatch, tmp_path, fits_layers: int, capacity_layers: int, *, seconds: float = 0.0,
+           budget: float = 600.0, quick: bool = False) -> tuple[dict, list[int]]:
+    """largest_section's search alone: tries answered by a rule (ok up to ``fits_layers``), a
+    capacity of ``capacity_layers`` layers' model states at 16 bytes per parameter."""
+    monkeypatch.setenv("TACHYON_BENCH_OUT", str(tmp_path))
+    monkeypatch.setattr(bench_zero3, "_param_counts", lambda size: (0, 1000))
+    monkeypatch.setattr(bench_zero3, "SMOKE_CAPACITY", {False: 16 * 1000 * capacity_layers})
+    tried: list[int] = []
+
+    def fake_try(run, mode, offload, size, params, before):
+        tried.append(size.layers)
+        row = {"mode": mode, "layers": size.layers, "params": params, "peak_device_GB": None, "host_GB": 0.0,
+               "seconds": seconds, "status": "ok" if size.layers <= fits_layers else "out of memory"}
+        run.emit("try", row)
+        return row
+
+    monkeypatch.setattr(bench_zero3, "_try_size", fake_try)
+    run = bench_zero3.GpuRun(smoke=True, quick=quick, budget=budget)
+    monkeypatch.setattr(run, "allocated", lambda collect=True: 0)
+    return bench_zero3.largest_section(run, "stage 3", False, run.deadline), tried
+
+
+def test_sweep_doubles_then_bisects_and_stops_where_memory_runs_out(monkeypatch, tmp_path):
+    summary, tried = _sweep(monkeypatch, tmp_path, fits_layers=41, capacity_layers=100)
+    assert tried == [33, 66, 49, 41, 45, 43, 42]  # start at a third of the capacity, double, bisect
+    assert (summary["largest_layers"], summary["failed_layers"]) == (41, 42)
+    assert summary["stopped_by"] == "out of memory at 42 layers"
+    summary, tried = _sweep(monkeypatch, tmp_path, fits_layers=41, capacity_layers=100, quick=True)
+    assert tried == [33, 66, 49, 41, 45]  # --quick: stops once the gap is at most 1/8 of the size
+    assert (summary["largest_layers"], summary["failed_layers"]) == (41, 45)
+
+
+def test_sweep_shrinks_from_a_start_that_fails_and_stops_at_the_capacity(monkeypatch, tmp_path):
+    summary, tried = _sweep(monkeypatch, tmp_path, fits_layers=5, capacity_layers=100)
+    assert tried[:3] == [33, 16, 8] and summary["largest_layers"] == 5 and summary["failed_layers"] == 6
+    summary, tried = _sweep(monkeypatch, tmp_path, fits_layers=1000, capacity_layers=100)
+    assert tried == [33, 66, 100] and summary["largest_layers"] == 100 and summary["failed_layers"] is None
+    assert summary["stopped_by"].startswith("101 layers would need more than the made-up capacity")
+
+
+def test_sweep_stops_before_a_try_that_would_not_finish_in_the_budget(monkeypatch, tmp_path):
+    summary, tried = _sweep(monkeypatch, tmp_path, fits_layers=1000, capacity_layers=100, seconds=5.0, budget=8.0)
+    assert tried == [33] and summary["largest_layers"] == 33
+    assert summary["stopped_by"].startswith("time budget (the next try, 66 layers")
