@@ -40,14 +40,18 @@ TransformerLayers, tied embeddings, learned positions), bf16 with fp32 masters, 
   step over all rounds and its ratio to FSDP2's (the goal for stage 3 without offload: <= 1.05).
 - largest model: the same GPT at hidden 2048 with a growing number of layers, batch 1 x 1024,
   built in bf16 on the device, one full step (forward, backward, optimizer) per size, for stage 3
-  without offload and for stage 3 with ``offload_optimizer`` + ``offload_param``. Layers double
-  from an estimate (a third of what the memory could hold at 16 bytes per parameter) until a try
-  runs out of memory (``torch.cuda.OutOfMemoryError``), then bisect; every try is freed (engine
-  destroyed, gc, empty_cache) before the next. Sizes whose host bytes (offload: estimated 24
-  bytes per parameter) would exceed the host's available memory are not tried: a host that runs
-  out is killed, not told. Each row gives the parameter count, the peak device memory and the
-  host bytes of the model states; the summary row per mode the largest that completed a step and
-  why the sweep stopped (a size that ran out of memory, the host estimate, or the time budget).
+  without offload and for stage 3 with ``offload_optimizer`` + ``offload_param``. Without
+  offload, layers double from a third of what the device could hold at 16 bytes per parameter
+  until a try runs out of memory (``torch.cuda.OutOfMemoryError``, or an NCCL / cuBLAS error
+  saying so), then bisect. With offload the model states are in host memory, at an estimated 24
+  bytes per parameter; sizes above what the host's available memory holds at that rate are not
+  tried (a host that runs out kills the process instead of raising), and the sweep starts at that
+  bound (each try is slow) and bisects downwards if it fails. Every try is freed (engine
+  destroyed, gc, empty_cache) before the next, and a try that would not finish in the time left
+  (predicted from the previous one) is not started. Each row gives the parameter count, the peak
+  device memory and the host bytes of the model states; the summary row per mode the largest
+  that completed a step and why the sweep stopped (a size that ran out of memory, the bound, or
+  the time budget).
 
 Every row is printed (flushed) and appended to $TACHYON_BENCH_OUT/bench_zero3_gpu_*.csv as soon
 as it is measured, so a run cut off keeps what it measured.
