@@ -423,6 +423,8 @@ def step_time_section(run: GpuRun) -> None:
                 times[name] += _time_steps(run, step, n)
             except Exception:
                 info[name]["error"] = run.error(f"step time: round {r} of {name}")
+        for *_, holder in (v for v in live if "error" in info[v[0]]):
+            _free(holder, run)
         live = [v for v in live if "error" not in info[v[0]]]
         print(f"round {r + 1}/{rounds}: " + ", ".join(f"{name} {statistics.median(times[name]):.2f} ms"
                                                       for name, *_ in live), flush=True)
