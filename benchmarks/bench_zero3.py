@@ -571,7 +571,7 @@ def gpu_main(smoke: bool, quick: bool, budget: float | None, parts: str) -> int:
         getattr(tnn, name)
     # tachyon's layers return a view of their output; FSDP2 warns about it at every forward
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    run = GpuRun(smoke, quick, budget if budget is not None else 110.0 if quick else 900.0)
+    run = GpuRun(smoke, quick, budget if budget is not None else 110.0 if quick else 480.0)
     _start_one_rank(run.device.type)
     print(f"# bench_zero3 {'--gpu-smoke (CPU; timings are noise)' if smoke else '--gpu'}: "
           f"{torch.cuda.get_device_name() if not smoke else 'cpu'}, budget {run.left():.0f} s", flush=True)
@@ -610,7 +610,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="bytes: 2 ranks only; --gpu: fewer steps, a coarser sweep, a 110 s budget")
     parser.add_argument("--gpu", action="store_true", help="the GPU part: step time against FSDP2, largest model")
     parser.add_argument("--gpu-smoke", action="store_true", help="the GPU part's code on the CPU at tiny sizes")
-    parser.add_argument("--budget", type=float, default=None, help="--gpu: seconds for the whole part")
+    parser.add_argument("--budget", type=float, default=None, help="--gpu: seconds for the whole part (default 110 with --quick, else 480)")
     parser.add_argument("--part", choices=("all", "step", "largest"), default="all", help="--gpu: which sections")
     args = parser.parse_args(argv)
     if args.gpu or args.gpu_smoke:
