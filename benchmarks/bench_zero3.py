@@ -524,11 +524,12 @@ def largest_section(run: GpuRun, mode: str, offload: bool, deadline: float) -> d
     if fit < layers:  # the first try sized to the time left (by the prior guess)
         layers = max(1, fit)
     while True:
-        predicted = last[0] * layers / last[1] if last else PRIOR_S_PER_GPARAM[offload] * (base + layers * per_layer) / 1e9
+        params = base + layers * per_layer
+        predicted = last[0] * layers / last[1] if last else PRIOR_S_PER_GPARAM[offload] * params / 1e9
         if time.perf_counter() + predicted > deadline:
             stop = f"time budget (the next try, {layers} layers, would not finish in it)"
             break
-        row = _try_size(run, mode, offload, dataclasses.replace(size, layers=layers), base + layers * per_layer, before)
+        row = _try_size(run, mode, offload, dataclasses.replace(size, layers=layers), params, before)
         tries += 1
         last = (row["seconds"], layers)
         if row["status"] == "ok":
@@ -610,7 +611,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="bytes: 2 ranks only; --gpu: fewer steps, a coarser sweep, a 110 s budget")
     parser.add_argument("--gpu", action="store_true", help="the GPU part: step time against FSDP2, largest model")
     parser.add_argument("--gpu-smoke", action="store_true", help="the GPU part's code on the CPU at tiny sizes")
-    parser.add_argument("--budget", type=float, default=None, help="--gpu: seconds for the whole part (default 110 with --quick, else 480)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="--gpu: seconds for the whole part (default 110 with --quick, else 480)")
     parser.add_argument("--part", choices=("all", "step", "largest"), default="all", help="--gpu: which sections")
     args = parser.parse_args(argv)
     if args.gpu or args.gpu_smoke:
