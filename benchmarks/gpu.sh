@@ -24,7 +24,9 @@
 #                                 [--warm-cap SECONDS | --no-warm] [--dry-run]
 # --only: a comma-separated selection of steps: smoke, profile, sweep, tests (pytest -m gpu; not in
 #   the default) and benchmark names (bench_<name>.py: layernorm, elementwise, mlp, attention,
-#   fp8_cast, optim, transformer_kernel, te_layer, engine, inference, sweep, ...).
+#   fp8_cast, optim, transformer_kernel, te_layer, engine, inference, sweep, zero3, ...). zero3 (not in
+#   the default; never warmed beside others): ZeRO-3 step time against plain FSDP2 and the largest GPT
+#   that trains on the GPU with and without offload (bench_zero3.py --gpu; 180 s).
 # --budget: seconds for all steps together (default 500); each step runs under its own limit (the
 #   table below) or what is left of the budget, whichever is less; a step cut off keeps what it wrote.
 # --timeout: one limit for every step instead of the table's. --full: the benchmarks without --quick
@@ -105,7 +107,7 @@ step_limit() {
   case "$1" in
     smoke) echo 40 ;; te_layer) echo 60 ;; profile) echo 40 ;; sweep) echo 90 ;; inference) echo 90 ;;
     transformer_kernel) echo 100 ;; attention) echo 40 ;; layernorm) echo 45 ;; mlp) echo 35 ;;
-    tests) echo 300 ;; *) echo 120 ;;
+    zero3) echo 180 ;; tests) echo 300 ;; *) echo 120 ;;
   esac
 }
 if [ -n "$only" ]; then steps=${only//,/ }; else steps=$default_steps; fi
@@ -117,6 +119,7 @@ step_cmd() {  # step_cmd STEP: the step's command line, one argument per line (n
     *)
       printf '%s\n' "$py" "benchmarks/bench_$1.py" ${quick[@]+"${quick[@]}"}
       [ "$1" = inference ] && echo --gpu-only  # its CPU part (counts under the interpreter) runs in CI
+      [ "$1" = zero3 ] && echo --gpu  # step time vs plain FSDP2 and the largest GPT; its bytes part runs on CPU
       [ ${#args[@]} -gt 0 ] && printf '%s\n' "${args[@]}"
       ;;
   esac
@@ -127,7 +130,7 @@ warm_cmds() {  # one line per warm process: NAME<TAB>the command, shell-quoted
   local step cmd=() extra
   for step in $steps; do
     case "$step" in
-      tests) continue ;;
+      tests|zero3) continue ;;  # zero3 fills the GPU's memory on purpose: never beside other processes
       smoke|profile) ;;
       *) [ -f "benchmarks/bench_$step.py" ] || continue ;;
     esac
