@@ -27,6 +27,10 @@ if _XDIST_WORKERS > 1:
 
 def pytest_configure(config):
     costs.register(config)
+    if hasattr(config.option, "loadscopereorder"):
+        # pytest-xdist >= 3.6 otherwise hands out --dist loadfile's files by their number of
+        # tests, most first, whatever the collection order: keep the order set below
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):

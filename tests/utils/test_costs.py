@@ -98,3 +98,12 @@ def test_the_cpu_figure_counts_subprocesses_and_forkserver_ranks():
     while costs.process_cpu() - after_subprocess < 0.45 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert costs.process_cpu() - after_subprocess >= 0.45
+
+
+def test_xdist_keeps_the_collection_order_of_files(request):
+    """pytest-xdist's loadfile scheduler reorders files by their number of tests unless told not to;
+    conftest tells it not to, so that the costliest-first order reaches the workers."""
+    import pytest
+
+    pytest.importorskip("xdist")
+    assert request.config.option.loadscopereorder is False
