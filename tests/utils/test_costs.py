@@ -71,8 +71,8 @@ def test_merge_keeps_other_files_rows(tmp_path):
     path = tmp_path / "costs.json"
     path.write_text(json.dumps({"a.py": {"cpu_s": 3.0, "wall_s": 2.0}, "b.py": {"cpu_s": 1.0, "wall_s": 1.0}}))
     costs.merge_costs(path, {"b.py": {"cpu_s": 7.04, "wall_s": 4.0}, "c.py": {"cpu_s": 0.5, "wall_s": 0.25}})
-    assert json.loads(path.read_text()) == {"a.py": {"cpu_s": 3.0, "wall_s": 2.0}, "b.py": {"cpu_s": 7.0, "wall_s": 4.0},
-                                            "c.py": {"cpu_s": 0.5, "wall_s": 0.2}}
+    assert json.loads(path.read_text()) == {
+        "a.py": {"cpu_s": 3.0, "wall_s": 2.0}, "b.py": {"cpu_s": 7.0, "wall_s": 4.0}, "c.py": {"cpu_s": 0.5, "wall_s": 0.2}}
     assert costs.load_costs(path) == {"a.py": 3.0, "b.py": 7.0, "c.py": 0.5}
     assert costs.load_costs(tmp_path / "none.json") == {}
 
