@@ -14,7 +14,8 @@ else runs, its CPU time much less; and on CI's 2 cores the workers' processes sh
 the suite's length is close to the CPU seconds each worker's files need.
 
 Ordering (`order_by_cost`): pytest-xdist's ``--dist loadfile`` hands whole files to its workers in
-collection order, each worker taking the next file as it finishes one. Files sorted longest first
+collection order (conftest turns off its reordering by number of tests), each worker taking the
+next file as it finishes one. Files sorted longest first
 (LPT scheduling) leave short files to fill the end, so that no long file starts last and runs
 alone. Files missing from the table: those with ``distributed`` tests count as the costliest file
 in the table (they start first, as long multi-process files should), the others as the median
