@@ -1,6 +1,8 @@
-"""Test-wide set-up: Triton's CPU interpreter where there is no GPU, the gpu marker's skip, and
-(with TACHYON_FAILURE_LOG set, as benchmarks/gpu.sh does) each failure written to that file the
-moment it is reported, so a run stopped by a time limit still names the tests that failed."""
+"""Test-wide set-up: Triton's CPU interpreter where there is no GPU, the gpu marker's skip, the
+files ordered costliest first from tests/durations.json (`tests.utils.costs`; with
+TACHYON_RECORD_TEST_COSTS=PATH a run records that table), and (with TACHYON_FAILURE_LOG set, as
+benchmarks/gpu.sh does) each failure written to that file the moment it is reported, so a run
+stopped by a time limit still names the tests that failed."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import pytest
 import torch
 
+from tests.utils import costs
 from tests.utils.interpreter import enable_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
@@ -22,27 +25,25 @@ if _XDIST_WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
 
 
+def pytest_configure(config):
+    costs.register(config)
+    if hasattr(config.option, "loadscopereorder"):
+        # pytest-xdist >= 3.6 otherwise hands out --dist loadfile's files by their number of
+        # tests, most first, whatever the collection order: keep the order set below
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
-    _multi_process_files_first(items)
+    # `make test`'s pytest-xdist workers (--dist loadfile) take whole files in this order, the
+    # next one as they finish one: costliest first, so that short files fill the end instead of
+    # a long file starting last and running alone
+    costs.order_by_cost(items, costs.load_costs())
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (this machine has none); run by benchmarks/gpu.sh")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def _multi_process_files_first(items) -> None:
-    """Files with multi-process (``distributed``) tests run first, each file's tests together and in
-    their order. Under `make test`'s pytest-xdist workers (one file per worker at a time) the long
-    multi-process files then start early and the many short single-process files fill the workers
-    at the end, instead of one long file running alone at the end of the run."""
-    files: dict[str, bool] = {}
-    for item in items:
-        files[item.nodeid.split("::")[0]] = files.get(item.nodeid.split("::")[0], False) or (
-            item.get_closest_marker("distributed") is not None)
-    rank = {name: (not multi, i) for i, (name, multi) in enumerate(files.items())}
-    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
 
 
 def pytest_runtest_logreport(report):

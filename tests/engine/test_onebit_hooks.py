@@ -80,11 +80,16 @@ def test_bind_refuses_foreign_params_and_ignores_other_optimizers():
 
 
 # ---------------------------------------------------------------------- the engine, 2 ranks
-STEPS, GAS = 240, 2
-FREEZE = {"adam": 80, "lamb": 160}
+STEPS, GAS = 120, 2
+FREEZE = {"adam": 40, "lamb": 80}
+"""40 compressed steps for LAMB, 80 for Adam: long enough for the error feedback to matter (the
+1-bit runs end 0.28% / 1.62% / 1.22% above the uncompressed ones: stage-0 Adam, stage-2 Adam,
+stage-2 LAMB), and the checkpoint 20 steps into compression still has buffers to restore."""
 LR = {"adam": 3e-3, "lamb": 1e-2}
 CASES = [(0, "adam"), (2, "adam"), (2, "lamb")]
 LOW_PRECISION = [("fp16", 2), ("bf16", 1), ("bf16", 0)]
+LOW_PRECISION_STEPS, LOW_PRECISION_FREEZE = 30, 10
+"""20 compressed steps in fp16 / bf16: the loss falls from 2.09 to about 1.12 (the test asks for 0.3)."""
 
 
 def _engine(kind: str, onebit: bool, world: int, stage: int = 2, precision: str = "fp32", freeze: int | None = None):
@@ -180,9 +185,9 @@ def engine_rank_main(checkpoint_dir: str) -> dict:
     # low precision: fp16 compresses scaled gradients (the error buffers follow the loss scale);
     # bf16 reduces in bf16 (stage 1: at the boundary only; stage 0: momentum in fp32)
     for precision, stage in LOW_PRECISION:
-        teacher, model, engine = _engine("adam", True, world, stage, precision=precision, freeze=10)
+        teacher, model, engine = _engine("adam", True, world, stage, precision=precision, freeze=LOW_PRECISION_FREEZE)
         before = _eval(model, teacher)
-        _engine_steps(engine, teacher, range(60), rank, world)
+        _engine_steps(engine, teacher, range(LOW_PRECISION_STEPS), rank, world)
         opt = engine.optimizer
         errors = ([r.worker_error for r in opt.gradient_reducer._reducers.values()] if stage else
                   [opt._compressor.worker_error, opt._compressor.server_error])
