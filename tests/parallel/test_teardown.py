@@ -27,6 +27,7 @@ def single_process_env(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                  "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tdist, "_timeout", tdist.DEFAULT_TIMEOUT)  # init_distributed(timeout=) sets it: restored after
     saved = dict(os.environ)
     yield
     if dist.is_initialized():
