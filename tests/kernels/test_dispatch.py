@@ -249,7 +249,7 @@ def test_mlp_takes_cublas_and_the_activation_kernel_where_measured_faster(mlp_on
     triton = run(backend="triton")
     for g, e in zip(run()[0] + run()[1], triton[0] + triton[1]):
         assert torch.equal(g, e)
-    assert mlp_op.gemm_backend(x, "triton", 24, True) == "triton"  # an explicit backend is never overridden
+    assert mlp_op.gemm_backend(x, "triton", 24, w1) == "triton"  # an explicit backend is never overridden
 
 
 def test_the_measured_mlp_class_runs_the_twin():

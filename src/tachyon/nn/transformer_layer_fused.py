@@ -158,7 +158,7 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
         tuple(x.shape), rms, float(qkv.eps), float(mlp.eps), h, g, core.qkv_format == "sbhd", mask_type == "causal",
         float(core.attention_dropout) if training else 0.0, float(layer.hidden_dropout) if training else 0.0,
         default_scale(d, core.softmax_scale), core.one_kernel_backward, activation, be_norm, be_attn, be_bdan,
-        gemm_backend(x, mlp.backend, fc2_w.shape[1], dispatch.needs_backward(x, *params)), be_bdan, norm_twin,
+        gemm_backend(x, mlp.backend, fc2_w.shape[1], *params), be_bdan, norm_twin,
     )
 
 

@@ -44,13 +44,15 @@ OP = "mlp"
 CUBLAS = "cublas"  # the block's GEMM ops: torch's GEMM + tachyon's bias-activation kernel (dispatch's twin)
 
 
-def gemm_backend(x: Tensor, backend: str | None, features: int, needs_backward: bool) -> str:
+def gemm_backend(x: Tensor, backend: str | None, features: int, *params: Tensor | None) -> str:
     """The backend of the block's two GEMM ops for an [.., K] input ``x``: resolve()'s choice, except
-    that under "auto" on CUDA the dispatch table may pick "cublas" (measured faster there)."""
+    that under "auto" on CUDA the dispatch table may pick "cublas" (measured faster there). ``params``:
+    the block's (or layer's) parameters, which decide with x whether the call will be differentiated;
+    looked at only when the table is consulted."""
     chosen = resolve(x, backend)
     if chosen == "triton" and auto_on_cuda(x, backend) and dispatch.choose(
             OP, x, dispatch.mlp_class(x.numel() // max(x.shape[-1], 1), x.shape[-1], features),
-            needs_backward) == dispatch.TWIN:
+            dispatch.needs_backward(x, *params)) == dispatch.TWIN:
         return CUBLAS
     return chosen
 
@@ -177,7 +179,7 @@ def mlp(
         if not isinstance(flag, bool):
             raise ValueError(f"{OP}: {name} must be True or False; got {flag!r}")
     check_same_device(OP, x=x, weight1=weight1, bias1=bias1, weight2=weight2, bias2=bias2)
-    be = gemm_backend(x, backend, f, dispatch.needs_backward(x, weight1, bias1, weight2, bias2))
+    be = gemm_backend(x, backend, f, weight1, bias1, weight2, bias2)
     out, x_res = _MLP.apply(x, weight1, bias1, weight2, bias2, activation, not checkpoint_activation, be)
     return (out, x_res) if return_residual else out
 

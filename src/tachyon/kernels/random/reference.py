@@ -33,43 +33,9 @@ _CHUNK = 1 << 18  # offsets per pass: the ~10 int64 temporaries of a chunk stay 
 
 def philox_randint(seed: int | torch.Tensor, offsets: torch.Tensor, n_rounds: int = 10) -> torch.Tensor:
     """The first output of Philox(counter=(offset lo, offset hi, 0, 0), key=(seed lo, seed hi)),
-    as uint32 values in an int64 tensor of offsets' shape. Equal to ``tl.randint(seed, offsets)``.
-
-    seed: a Python int or a 0-dim integer tensor on the offsets' device (its 64-bit pattern is
-    the key; not read on the host). Runs over chunks of the flattened offsets (cache-sized), with
-    in-place ops, the first round specialized (counter words 2 and 3 start at 0) and the last one
-    computing only the word returned."""
-    if n_rounds < 1:
-        raise ValueError(f"philox_randint: n_rounds must be >= 1; got {n_rounds}")
-    key0, key1 = _key(seed)
-    flat = offsets.to(torch.int64).reshape(-1)
-    out = torch.empty_like(flat)
-    for start in range(0, flat.numel(), _CHUNK):
-        out[start:start + _CHUNK] = _philox_chunk(flat[start:start + _CHUNK], key0, key1, n_rounds)
-    return out.view(offsets.shape)
-
-
-def _philox_chunk(off: torch.Tensor, k0, k1, n_rounds: int) -> torch.Tensor:
-    # the 64-bit product of two uint32 values, held (wrapped) in int64: its bit pattern is exact,
-    # so the high and low 32-bit halves come out by shifting and masking
-    c0 = off & _MASK32
-    c1 = (off >> 32) & _MASK32
-    # round 1: c2 = c3 = 0, so the B product is 0
-    prod_a = c0 * _ROUND_A
-    c0, c1 = c1 ^ k0, torch.zeros_like(c0)
-    c2, c3 = (prod_a >> 32).bitwise_and_(_MASK32).bitwise_xor_(k1), prod_a.bitwise_and_(_MASK32)
-    for r in range(1, n_rounds):
-        k0 = (k0 + _KEY_A) & _MASK32
-        k1 = (k1 + _KEY_B) & _MASK32
-        prod_b = c2 * _ROUND_B
-        if r == n_rounds - 1:  # only c0 is returned
-            return prod_b.bitwise_right_shift_(32).bitwise_and_(_MASK32).bitwise_xor_(c1).bitwise_xor_(k0)
-        prod_a = c0 * _ROUND_A
-        c0 = (prod_b >> 32).bitwise_and_(_MASK32).bitwise_xor_(c1).bitwise_xor_(k0)
-        c1 = prod_b.bitwise_and_(_MASK32)
-        c2 = (prod_a >> 32).bitwise_and_(_MASK32).bitwise_xor_(c3).bitwise_xor_(k1)
-        c3 = prod_a.bitwise_and_(_MASK32)
-    return c0
+    as uint32 values in an int64 tensor of offsets' shape. Equal to ``tl.randint(seed, offsets)``
+    (output 0 of :func:`philox4`)."""
+    return philox4(seed, offsets, n_rounds)[0]
 
 
 def rand(seed: int | torch.Tensor, offsets: torch.Tensor, n_rounds: int = 10) -> torch.Tensor:

@@ -65,7 +65,6 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from tachyon.backend import resolve
-from tachyon.kernels import dispatch
 from tachyon.kernels.attention.reference import masked_bias
 from tachyon.kernels.linear.mlp import gemm_backend
 from tachyon.kernels.registry import eager_call
@@ -395,8 +394,7 @@ class TransformerKernelLayer(nn.Module):
         plan = fused.Plan(batch, seq, c.heads, c.pre_layer_norm, c.layer_norm_eps, p_attn, p_hidden,
                           1.0 / math.sqrt(hidden // c.heads), not c.stochastic_mode, c.normalize_invertible,
                           c.gelu_checkpoint, c.attn_dropout_checkpoint and training, scale, resolve(x, self.backend),
-                          gemm_backend(x, self.backend, self.output_w.shape[1],
-                                       dispatch.needs_backward(x, *self._params())))
+                          gemm_backend(x, self.backend, self.output_w.shape[1], *self._params()))
         x2 = x.reshape(batch * seq, hidden)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
