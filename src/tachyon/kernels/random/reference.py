@@ -10,6 +10,8 @@ seed computed on the GPU, or traced by torch.compile as a graph input, works unc
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -81,6 +83,7 @@ DECISIONS_PER_CALL = 8
 _DECISION_RANGE = 1 << 16
 
 
+@functools.lru_cache(maxsize=256)  # called by every dropout launch: a cached call runs no Python frame
 def dropout_threshold(p: float) -> int:
     """The 16-bit threshold of drop probability ``p``: an element is kept when its 16-bit draw is
     >= this, so it is dropped with probability threshold / 65536 = p to within 2**-17."""
