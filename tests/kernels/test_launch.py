@@ -223,6 +223,13 @@ with StubLaunches() as stub:
     results["mismatches"] = mismatches[:5]
     results["mismatch count"] = len(mismatches)
     results["argument keys"] = _spec.argument_keys()
+    # new integer values of a seen class (1056 and 1072: residue 0, 11 bits; 35 and 51: residue 3, 6 bits):
+    # served by the class key, no binder call
+    x = bases[torch.float32]
+    _spec[(1,)](x, x, 32 + 1024, 35, 7, 0.5, BLOCK=16, num_warps=1)
+    before = binds
+    _spec[(1,)](x, x, 48 + 1024, 51, 7, 0.5, BLOCK=16, num_warps=1)
+    results["binder calls for a seen class"] = binds - before
     results["specializations"] = _spec.cache_sizes()[1]
 
     # a specializer that also looks at divisibility by 32: the argument key no longer decides, so it is not used
@@ -271,6 +278,7 @@ def test_the_argument_key_selects_the_kernel_tritons_binder_selects(key_results)
     # the key path was taken: every repeated call without a negative integer found its argument key
     # (the binder ran for the first calls and for the repeats with a negative integer only)
     assert r["argument keys"] > 100 and r["specializations"] > 10
+    assert r["binder calls for a seen class"] == 0
     assert r["binder calls"] <= 600 + r["negative trials"]
 
 

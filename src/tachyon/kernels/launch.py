@@ -166,8 +166,10 @@ class FastKernel:
         self._lock = threading.Lock()
         self._pickers: dict[tuple[type, ...], Callable[[Sequence[Any]], tuple]] = {}  # see _tensor_picker
         # argument key (module docstring) -> (launcher, function, metadata, the launcher's arguments after
-        # the positional ones, all parameter names); (argument types, keyword names) -> _Form
-        self._keyed: dict[tuple, tuple[Callable, Any, Any, tuple, tuple[str, ...]]] = {}
+        # the positional ones, all parameter names, those after the positional ones with their values);
+        # (argument types, keyword names) -> _Form
+        self._keyed: dict[tuple, tuple] = {}  # by the integers' exact values
+        self._classed: dict[tuple, tuple] = {}  # by the integers' classes
         self._forms: dict[tuple, _Form] = {}
         if self.autotuner is not None and self.jit is not None:
             names = self.jit.arg_names
@@ -219,13 +221,12 @@ class FastKernel:
             self._pickers[types] = pick
         return pick
 
-    def _tune_key(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
+    def _tune_key(self, args: Sequence[Any], kwargs: dict[str, Any], types: tuple[type, ...]) -> tuple:
         """The autotuning key as Autotuner.run builds it: the key arguments' values, then the dtype
         of every argument that has one (tensors), positional then keyword. The tensors are found
         by the arguments' types (one C-level pass; the positions cached per tuple of types)."""
         n = len(args)
         key = [args[i] if i < n else kwargs.get(name) for i, name in self._tune_positions]
-        types = tuple(map(type, args))
         pick = self._pickers.get(types) or self._tensor_picker(types)
         key += map(_dtype_of, pick(args))
         if kwargs:
@@ -242,10 +243,11 @@ class FastKernel:
         if active is not self._active:
             self._bind_driver(active)
         device = self._current_device()
-        config, full = None, kwargs
+        types = tuple(map(type, args))
+        config, full, tune_key = None, kwargs, None
         if self.autotuner is not None:
             if self._tuned:
-                tune_key = self._tune_key(args, kwargs)
+                tune_key = self._tune_key(args, kwargs, types)
                 found = self._configs.get(tune_key)
                 if found is None:  # Autotuner.run benchmarks the configs for this key and launches
                     self._plain(grid, args, kwargs)
@@ -264,27 +266,34 @@ class FastKernel:
             self.best_config = config
             if config.pre_hook is not None:
                 config.pre_hook({**dict(zip(self.jit.arg_names, args)), **full})
-        # the argument key: C-level passes over the arguments (module docstring, step 2); the config by
-        # identity (the autotuner keeps its configs; Config.__hash__ is Python)
-        types = tuple(map(type, args))
+        # the argument key (module docstring, step 2): C-level passes over the arguments. First with the
+        # integers' exact values (no per-integer work; shapes and strides repeat), then by their classes
+        # (value mod 16, bit length: e.g. int seeds). The autotuning key already holds every tensor's
+        # dtype; the config goes by identity (the autotuner keeps its configs; Config.__hash__ is Python)
         form = self._forms.get((types, *kwargs))
         if form is None:
             form = self._form(types, tuple(kwargs))
-        akey = None
+        akey = ckey = None
         if form.ok:
             tensors, ints = form.tensors(args), form.ints(args)
-            if not ints or min(ints) >= 0:
-                akey = (device, form, id(config), *map(_dtype_of, tensors), *map(_and, map(_data_ptr, tensors), _FIFTEEN),
-                        *map(_and, ints, _FIFTEEN), *map(_bit_length, ints), *form.exact(args), *kwargs.values())
-                keyed = self._keyed.get(akey)
-                if keyed is not None:
-                    run, function, metadata, tail, names = keyed
-                    if callable(grid):
-                        grid = grid(dict(zip(names, (*args, *tail))))
-                    n = len(grid)
-                    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._current_stream(device),
-                        function, metadata, None, None, None, *args, *tail)
-                    return config
+            facts = (id(config), *(map(_dtype_of, tensors) if tune_key is None else tune_key),
+                     *map(_and, map(_data_ptr, tensors), _FIFTEEN), *form.exact(args), *kwargs.values())
+            akey = (device, form, ints, *facts)
+            keyed = self._keyed.get(akey)
+            if keyed is None and (not ints or min(ints) >= 0):
+                ckey = (device, form, *map(_and, ints, _FIFTEEN), *map(_bit_length, ints), *facts)
+                keyed = self._classed.get(ckey)
+                if keyed is not None and len(self._keyed) < _MAX_KEYS:
+                    with self._lock:
+                        self._keyed[akey] = keyed
+            if keyed is not None:
+                run, function, metadata, tail, names, meta = keyed
+                if callable(grid):
+                    grid = _call_grid(grid, meta, names, args, tail)
+                n = len(grid)
+                run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._current_stream(device),
+                    function, metadata, None, None, None, *args, *tail)
+                return config
         binder = self.jit.device_caches[device][4]
         bound, specialization, options = binder(*args, **full)
         key = (device, *specialization, *options.items())
@@ -294,10 +303,10 @@ class FastKernel:
             compiled.run  # noqa: B018  (loads the binary and builds the launcher)
             with self._lock:
                 self._entries[key] = entry = (compiled.run, compiled.function, compiled.packed_metadata)
-            self._remember(akey, entry, bound, len(args))
+            self._remember(akey, ckey, entry, bound, len(args))
             return config
         run, function, metadata = entry
-        self._remember(akey, entry, bound, len(args))
+        self._remember(akey, ckey, entry, bound, len(args))
         if callable(grid):
             grid = grid(bound)
         n = len(grid)
@@ -319,21 +328,39 @@ class FastKernel:
 
         return make_backend(self._active.get_current_target())
 
-    def _remember(self, akey: tuple | None, entry: tuple, bound: dict[str, Any], positional: int) -> None:
-        """Key the launch entry by its argument key: the launcher's arguments are the positional ones
-        followed by ``tail`` (constexprs and defaults: fixed for one argument key)."""
-        if akey is not None and len(self._keyed) < _MAX_KEYS:
-            values = tuple(bound.values())
-            with self._lock:
-                self._keyed[akey] = (*entry, values[positional:], tuple(bound))
+    def _remember(self, akey: tuple | None, ckey: tuple | None, entry: tuple, bound: dict[str, Any],
+                  positional: int) -> None:
+        """Key the launch entry by its argument keys (exact, and by class where computed): the launcher's
+        arguments are the positional ones followed by ``tail`` (constexprs and defaults: fixed for
+        one argument key), which are also what a grid function reads (``meta``)."""
+        if akey is None:
+            return
+        values = tuple(bound.values())
+        names = tuple(bound)
+        keyed = (*entry, values[positional:], names, dict(zip(names[positional:], values[positional:])))
+        with self._lock:
+            if len(self._keyed) < _MAX_KEYS:
+                self._keyed[akey] = keyed
+            if ckey is not None and len(self._classed) < _MAX_KEYS:
+                self._classed[ckey] = keyed
 
     def cache_sizes(self) -> tuple[int, int]:
         """(autotuning keys seen, compiled specializations launched through the fast path)."""
         return len(self._configs), len(self._entries)
 
     def argument_keys(self) -> int:
-        """Argument keys seen (each selects one of the compiled specializations)."""
-        return len(self._keyed)
+        """Argument keys seen by integer class (each selects one of the compiled specializations)."""
+        return len(self._classed)
+
+
+def _call_grid(grid: Callable[[dict[str, Any]], tuple], meta: dict[str, Any], names: tuple[str, ...],
+               args: tuple, tail: tuple) -> tuple:
+    """``grid(meta)`` with the constexprs (what tachyon's grid functions read: block sizes); a grid
+    function that reads a runtime argument gets every argument by name, as Triton gives it."""
+    try:
+        return grid(meta)
+    except KeyError:
+        return grid(dict(zip(names, (*args, *tail))))
 
 
 def fast_launch(kernel: Any) -> Any:
