@@ -288,8 +288,11 @@ class FastKernel:
                         self._keyed[akey] = keyed
             if keyed is not None:
                 run, function, metadata, tail, names, meta = keyed
-                if callable(grid):
-                    grid = _call_grid(grid, meta, names, args, tail)
+                if callable(grid):  # with the constexprs (what tachyon's grids read: block sizes), else all
+                    try:
+                        grid = grid(meta)
+                    except KeyError:
+                        grid = grid(dict(zip(names, (*args, *tail))))
                 n = len(grid)
                 run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._current_stream(device),
                     function, metadata, None, None, None, *args, *tail)
@@ -351,16 +354,6 @@ class FastKernel:
     def argument_keys(self) -> int:
         """Argument keys seen by integer class (each selects one of the compiled specializations)."""
         return len(self._classed)
-
-
-def _call_grid(grid: Callable[[dict[str, Any]], tuple], meta: dict[str, Any], names: tuple[str, ...],
-               args: tuple, tail: tuple) -> tuple:
-    """``grid(meta)`` with the constexprs (what tachyon's grid functions read: block sizes); a grid
-    function that reads a runtime argument gets every argument by name, as Triton gives it."""
-    try:
-        return grid(meta)
-    except KeyError:
-        return grid(dict(zip(names, (*args, *tail))))
 
 
 def fast_launch(kernel: Any) -> Any:
