@@ -43,6 +43,7 @@ from tachyon.kernels.layernorm.op import _norm_bwd, _norm_fwd, _twin_applies
 from tachyon.kernels.linear.mlp import _gemm_act_grad, _gemm_bias_act, gemm_backend
 from tachyon.kernels.attention.packed import _packed_bwd, _packed_fwd
 from tachyon.kernels.registry import eager_call
+from tachyon.kernels.tiling import deferred_sums
 from tachyon.nn.attention import DotProductAttention, MultiheadAttention
 from tachyon.nn.layernorm_linear import LayerNormLinear
 from tachyon.nn.layernorm_mlp import _KERNEL_NAME, LayerNormMLP
@@ -273,7 +274,10 @@ class TransformerLayerFunction(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         s_attn, s1, s2, *rest = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        grads = backward(ctx.plan, dout, (s_attn, s1, s2), rest[:12], rest[12:], (needs[1], *needs[5:]), ctx.biases)
+        # the five partial-sum reductions (bias and norm-weight gradients, only returned) in one launch
+        with deferred_sums():
+            grads = backward(ctx.plan, dout, (s_attn, s1, s2), rest[:12], rest[12:], (needs[1], *needs[5:]),
+                             ctx.biases)
         return (None, grads[0], None, None, None, *grads[1:])
 
 
