@@ -197,6 +197,14 @@ def layer_units() -> dict[str, tuple[Callable, Callable]]:
     modules.one_node_eager = False
     units["TE TransformerLayer fwd+bwd, module path"] = (_fwd_bwd(lambda: modules(xs), list(modules.parameters())),
                                                          _fwd_bwd(lambda: basic(xs), list(basic.parameters())))
+    # with RoPE (TE's angle tensor; the reference layer has none, so these rows are conservative): the
+    # one-node path and the module path
+    angles = tnn.RotaryPositionEmbedding(HIDDEN // HEADS)(SEQ)
+    units["TE TransformerLayer fwd+bwd, RoPE"] = (_fwd_bwd(lambda: te(xs, rotary_pos_emb=angles), list(te.parameters())),
+                                                  _fwd_bwd(lambda: basic(xs), list(basic.parameters())))
+    units["TE TransformerLayer fwd+bwd, RoPE, module path"] = (
+        _fwd_bwd(lambda: modules(xs, rotary_pos_emb=angles), list(modules.parameters())),
+        _fwd_bwd(lambda: basic(xs), list(basic.parameters())))
     # backend "auto" as on an sm_90 GPU: tachyon.kernels.dispatch picks torch's LayerNorm for the input norm
     units["TE TransformerLayer fwd+bwd, auto on sm_90"] = (
         _on_sm90(_fwd_bwd(lambda: te(xs), list(te.parameters()))),

@@ -84,6 +84,46 @@ def test_one_node_equals_module_path_triton_interpreter():
     assert _is_one_node(_assert_same(one, mod))
 
 
+ROPE_CASES = {
+    "gpt-rope": {},
+    "llama-gqa-bshd-rope-half": {"normalization": "RMSNorm", "activation": "swiglu", "bias": False,
+                                 "num_gqa_groups": 2, "attn_input_format": "bshd"},
+    "rope-interleaved-no-mask": {"self_attn_mask_type": "no_mask"},
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", list(ROPE_CASES))
+def test_one_node_with_rope_equals_module_path(backend, name):
+    """RoPE (one table for queries and keys, TE's angle tensor or (cos, sin) tables): the one-node
+    path runs the module path's packed RoPE (the QKV GEMM adds the bias, the attention op rotates
+    q and k): the same values bit for bit, every gradient, and the same bytes saved."""
+    one, mod = _pair(backend=backend, **ROPE_CASES[name])
+    interleaved = name.startswith("rope-interleaved")
+    for layer in (one, mod):
+        layer.self_attention.rotary_pos_interleaved = interleaved
+    rope = tachyon.nn.RotaryPositionEmbedding(HIDDEN // HEADS, rotary_percent=0.5 if "half" in name else 1.0,
+                                              interleaved=interleaved)
+    emb = rope(SEQ + 3)  # longer than the sequence: the tables take its first SEQ positions
+    if name == "llama-gqa-bshd-rope-half":
+        emb = rope.cos_sin(SEQ)  # (cos, sin) tables
+    x = torch.randn(SEQ, BATCH, HIDDEN) if one.attn_input_format == "sbhd" else torch.randn(BATCH, SEQ, HIDDEN)
+    x.requires_grad_()
+    saved = [saved_tensor_bytes(lambda layer=layer: layer(x, rotary_pos_emb=emb), exclude=layer.parameters())[1]
+             for layer in (one, mod)]
+    assert saved[0] == saved[1], f"saved for backward: one node {saved[0]} bytes, module path {saved[1]}"
+    assert _is_one_node(_assert_same(one, mod, steps=2 if backend == "torch" else 1, rotary_pos_emb=emb))
+
+
+def test_rope_with_separate_query_and_key_angles_takes_the_module_path():
+    one, mod = _pair(backend="torch")
+    rope = tachyon.nn.RotaryPositionEmbedding(HIDDEN // HEADS)
+    emb = (rope(SEQ), rope(SEQ, offset=2))  # TE's (query, key) angles: the module path's unpacked RoPE
+    assert not _is_one_node(_assert_same(one, mod, rotary_pos_emb=emb))
+    with pytest.raises(ValueError, match="covers 4 positions"):  # the module path's error, not a one-node one
+        one(torch.randn(SEQ, BATCH, HIDDEN), rotary_pos_emb=rope(4))
+
+
 def test_one_node_eval_and_no_grad_and_frozen_params():
     one, mod = _pair(backend="torch")
     x = torch.randn(SEQ, BATCH, HIDDEN)
@@ -99,7 +139,7 @@ def test_one_node_eval_and_no_grad_and_frozen_params():
 
 
 def test_other_configurations_take_the_module_path():
-    """Padding masks, RoPE, post-LN, decoders, FP8, forward hooks and subclasses run through the
+    """Padding masks, separate query and key RoPE angles, post-LN, decoders, FP8, forward hooks and subclasses run through the
     submodules (the one-node path does not cover them); the values stay the module path's."""
     x = torch.randn(SEQ, BATCH, HIDDEN)
     mask = torch.zeros(BATCH, 1, 1, SEQ, dtype=torch.bool)
@@ -109,7 +149,8 @@ def test_other_configurations_take_the_module_path():
     one, _ = _pair(backend="torch", apply_residual_connection_post_layernorm=True)
     assert not _is_one_node(one(x).grad_fn)
     one, _ = _pair(backend="torch")
-    assert not _is_one_node(one(x, rotary_pos_emb=tachyon.nn.RotaryPositionEmbedding(HIDDEN // HEADS)(SEQ)).grad_fn)
+    rope = tachyon.nn.RotaryPositionEmbedding(HIDDEN // HEADS)
+    assert not _is_one_node(one(x, rotary_pos_emb=(rope(SEQ), rope(SEQ, offset=1))).grad_fn)  # (query, key) angles
     handle = one.layernorm_mlp.register_forward_hook(lambda module, args, out: None)
     assert not _is_one_node(one(x).grad_fn)
     handle.remove()

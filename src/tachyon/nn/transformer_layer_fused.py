@@ -13,7 +13,9 @@ path's, bit for bit, and the same tensors are saved (tests/nn/test_transformer_l
 
 It runs where the module path would run exactly these ops: an encoder layer, pre-LN
 (``output_layernorm=False``, ``apply_residual_connection_post_layernorm=False``), no progressive
-layer drop, no RoPE, a "causal" or "no_mask" attention without a mask, no FP8 (outside an enabled
+layer drop, RoPE with one table for queries and keys (then, as on the module path, the QKV GEMM
+adds its bias and the attention op rotates q and k) or none, a "causal" or "no_mask" attention
+without a mask, no FP8 (outside an enabled
 ``fp8_autocast``, GEMMs that never ran in FP8), no zero-centered gamma, the params' dtype (no
 torch.autocast), the Triton kernel for the input norm (not its torch twin, which ``backend="auto"``
 picks on CUDA where measured faster), the modules' own classes without hooks or replaced
@@ -48,6 +50,7 @@ from tachyon.nn.attention import DotProductAttention, MultiheadAttention
 from tachyon.nn.layernorm_linear import LayerNormLinear
 from tachyon.nn.layernorm_mlp import _KERNEL_NAME, LayerNormMLP
 from tachyon.nn.linear import Linear
+from tachyon.nn.rope import rotary_tables
 
 _is_compiling = torch.compiler.is_compiling
 _norm_fwd_impl, _norm_bwd_impl = _norm_fwd.impl, _norm_bwd.impl
@@ -79,6 +82,9 @@ class Plan(NamedTuple):
     be_mlp: str
     be_bda: str
     norm_twin: bool  # the input LayerNorm runs as torch's op (backend "auto" on CUDA, tachyon.kernels.dispatch)
+    rope_cos: Tensor | None  # RoPE tables fp32 [seq, rotary_dim] on x's device (None: no RoPE)
+    rope_sin: Tensor | None
+    rope_interleaved: bool
 
 
 def _plain_module(module: torch.nn.Module, cls: type) -> bool:
@@ -97,7 +103,7 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
         return None
     if (scale != 1.0 or layer.layer_type != "encoder" or layer.output_layernorm
             or layer.apply_residual_connection_post_layernorm or layer.zero_centered_gamma
-            or rotary_pos_emb is not None or attention_mask is not None or encoder_output is not None):
+            or attention_mask is not None or encoder_output is not None):
         return None
     if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
         return None  # the module path raises
@@ -150,6 +156,16 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
     if (be_norm == "triton" and n > MAX_NORM_N) or (be_bdan == "triton" and n > MAX_BDAN_N) or (
             be_attn == "triton" and d > MAX_TRITON_HEAD_DIM):
         return None  # the module path raises
+    cos = sin = None
+    if rotary_pos_emb is not None:  # the module path's packed RoPE: one table for q and k, checked as it checks
+        try:
+            q_tab, k_tab = rotary_tables(rotary_pos_emb, x.shape[0 if core.qkv_format == "sbhd" else 1])
+        except ValueError:
+            return None  # the module path raises
+        r = q_tab.cos.shape[1]
+        if k_tab is not q_tab or r == 0 or r % 2 or r > d:
+            return None  # separate query and key angles (the module path's unpacked RoPE), or its error
+        cos, sin = q_tab.cos.to(x.device), q_tab.sin.to(x.device)
     norm_twin = be_norm == "triton" and auto_on_cuda(x, qkv.backend) and _twin_applies(x, ln_w, ln_b, None) and (
         dispatch.choose("rms_norm" if rms else "layer_norm", x, dispatch.norm_class(n),
                         dispatch.needs_backward(x, ln_w, ln_b)) == dispatch.TWIN)
@@ -159,7 +175,8 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
         tuple(x.shape), rms, float(qkv.eps), float(mlp.eps), h, g, core.qkv_format == "sbhd", mask_type == "causal",
         float(core.attention_dropout) if training else 0.0, float(layer.hidden_dropout) if training else 0.0,
         default_scale(d, core.softmax_scale), core.one_kernel_backward, activation, be_norm, be_attn, be_bdan,
-        gemm_backend(x, mlp.backend, fc2_w.shape[1], *params), be_bdan, norm_twin,
+        gemm_backend(x, mlp.backend, fc2_w.shape[1], *params), be_bdan, norm_twin, cos, sin,
+        attn.rotary_pos_interleaved,
     )
 
 
@@ -189,9 +206,18 @@ def forward(plan: Plan, x: Tensor, seeds, params, save: bool):
         y0 = y0.view(-1, n)
     else:
         y0, _, mean0, rstd0 = _norm_fwd_impl(x2, ln_w, ln_b, None, plan.eps1, plan.rms, False, plan.be_norm)
-    qkv = F.linear(y0, qkv_w).view(shape[0], shape[1], -1)  # the bias is added by the attention kernels
-    ctx, lse, _ = _packed_fwd_impl(qkv, qkv_b, None, plan.heads, plan.kv_heads, plan.sbhd, plan.causal, plan.p_attn, 0,
-                                   s_attn, plan.softmax_scale, True, plan.one_kernel, None, None, False, plan.be_attn)
+    rope = plan.rope_cos is not None
+    if rope:  # as the module path: the GEMM adds the bias, the attention op rotates q and k (kept: qk_rot)
+        qkv = F.linear(y0, qkv_w, qkv_b).view(shape[0], shape[1], -1)
+        ctx, lse, qk_rot = _packed_fwd_impl(qkv, None, None, plan.heads, plan.kv_heads, plan.sbhd, plan.causal,
+                                            plan.p_attn, 0, s_attn, plan.softmax_scale, True, plan.one_kernel,
+                                            plan.rope_cos, plan.rope_sin, plan.rope_interleaved, plan.be_attn)
+    else:
+        qkv = F.linear(y0, qkv_w).view(shape[0], shape[1], -1)  # the bias is added by the attention kernels
+        ctx, lse, _ = _packed_fwd_impl(qkv, qkv_b, None, plan.heads, plan.kv_heads, plan.sbhd, plan.causal,
+                                       plan.p_attn, 0, s_attn, plan.softmax_scale, True, plan.one_kernel, None, None,
+                                       False, plan.be_attn)
+        qk_rot = None
     ctx2 = ctx.view(-1, ctx.shape[-1])
     a = F.linear(ctx2, proj_w)
     # h = x + dropout(a + proj_b), y1 = norm2(h): one kernel
@@ -204,7 +230,9 @@ def forward(plan: Plan, x: Tensor, seeds, params, save: bool):
         return out.view(*shape), None
     mean0 = None if plan.rms else mean0
     mean1 = None if plan.rms else mean1
-    return out.view(*shape), (x if plan.norm_twin else x2, mean0, rstd0, y0, qkv, ctx, lse, z1, mean1, rstd1, y1, pre, act)
+    # the RoPE tables are saved as the module path's attention op saves them (the plan holds them too)
+    return out.view(*shape), (x if plan.norm_twin else x2, mean0, rstd0, y0, qkv, ctx, lse, qk_rot, plan.rope_cos,
+                              plan.rope_sin, z1, mean1, rstd1, y1, pre, act)
 
 
 def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs, biases):
@@ -214,7 +242,7 @@ def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs, biases):
     (proj_b's dtype or None, whether fc1_b exists, fc2_b's dtype or None)."""
     ln_w, ln_b, qkv_w, qkv_b, proj_w, _, ln2_w, ln2_b, fc1_w, _, fc2_w, _ = params
     proj_bd, has_fc1_b, fc2_bd = biases
-    x2, mean0, rstd0, y0, qkv, ctx, lse, z1, mean1, rstd1, y1, pre, act = saved
+    x2, mean0, rstd0, y0, qkv, ctx, lse, qk_rot, rope_cos, rope_sin, z1, mean1, rstd1, y1, pre, act = saved
     s_attn, s1, s2 = seeds
     p = plan.p_hidden
     d = dout.reshape(-1, dout.shape[-1])
@@ -238,10 +266,14 @@ def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs, biases):
     dx_branch = dres if p > 0 else da
     dctx = da.mm(proj_w)
     d_proj_w = da.t().mm(ctx.view(-1, ctx.shape[-1])) if needs[5] else None
-    dqkv, d_qkv_b = _packed_bwd_impl(dctx.view(*ctx.shape), qkv, qkv_b, ctx, lse, None, plan.heads, plan.kv_heads,
-                                     plan.sbhd, plan.causal, plan.p_attn, 0, s_attn, plan.softmax_scale, True,
-                                     plan.one_kernel, None, None, None, False, plan.be_attn)
+    rope = plan.rope_cos is not None
+    dqkv, d_qkv_b = _packed_bwd_impl(dctx.view(*ctx.shape), qkv, None if rope else qkv_b, ctx, lse, None, plan.heads,
+                                     plan.kv_heads, plan.sbhd, plan.causal, plan.p_attn, 0, s_attn, plan.softmax_scale,
+                                     True, plan.one_kernel, qk_rot, rope_cos, rope_sin, plan.rope_interleaved,
+                                     plan.be_attn)
     dqkv2 = dqkv.view(-1, dqkv.shape[-1])
+    if rope and qkv_b is not None:  # the GEMM's bias, as autograd sums a broadcast bias's gradient
+        d_qkv_b = dqkv2.sum(0)
     dy0 = dqkv2.mm(qkv_w)
     d_qkv_w = dqkv2.t().mm(y0) if needs[3] else None
     if plan.norm_twin:  # x's two gradients summed as autograd sums them
