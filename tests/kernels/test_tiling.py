@@ -108,3 +108,17 @@ def test_deferred_sums_launch_nothing_on_an_exception_and_nest(monkeypatch):
             tiling.sum_partials(part, [torch.float32])
         assert launched == [2]
     assert launched == [2, 1] and tiling._deferred.queue is None
+
+
+def test_immediate_sums_inside_deferred_sums_launch_at_once(monkeypatch):
+    """Code that reads its sums before returning them (Triton's interpreter casting bf16 attention's
+    fp32 bias gradient) runs them at once inside a deferred block; the rest still waits."""
+    part = torch.randn(6, 40)
+    want = tiling.sum_partials(part, [torch.float32])[0]
+    with tiling.deferred_sums():
+        late = tiling.sum_partials(part, [torch.float32])[0].fill_(float("nan"))
+        with tiling.immediate_sums():
+            now = tiling.sum_partials(part, [torch.float32])[0]
+        assert torch.equal(now, want)  # written before the deferred block ends
+        assert bool(late.isnan().all())
+    assert torch.equal(late, want)

@@ -174,6 +174,36 @@ def test_masks_the_module_path_refuses_are_refused_the_same_way():
         causal(x, attention_mask=_padding())
 
 
+class _Autocast(torch.nn.Module):
+    """The layer's forward under torch.autocast (CPU, bf16): fp32 parameters, bf16 compute."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.layer(x, **kwargs)
+
+
+@pytest.mark.parametrize("name,backend", [("gpt", "torch"), ("llama-gqa-bshd", "torch"), ("gpt", "triton")])
+def test_one_node_under_autocast_equals_module_path(name, backend):
+    """fp32 parameters under torch.autocast(bf16): the one-node path casts them as the module path
+    does (graph nodes whose backward casts the gradients back to fp32) and computes in bf16: the
+    module path's values and fp32 gradients bit for bit."""
+    kwargs = {"gpt": {}, "llama-gqa-bshd": CASES[1]}[name]
+    one, mod = _pair(backend=backend, **kwargs)
+    a, b = _Autocast(one), _Autocast(mod)
+    a.attn_input_format = b.attn_input_format = one.attn_input_format
+    assert _is_one_node(_assert_same(a, b, steps=2 if backend == "torch" else 1))
+    x = torch.randn(SEQ, BATCH, HIDDEN) if one.attn_input_format == "sbhd" else torch.randn(BATCH, SEQ, HIDDEN)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = one(x.requires_grad_())
+    assert out.dtype == torch.bfloat16 and _is_one_node(out.grad_fn)
+    out.float().sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in one.parameters())
+
+
 def test_rope_with_separate_query_and_key_angles_takes_the_module_path():
     one, mod = _pair(backend="torch")
     rope = tachyon.nn.RotaryPositionEmbedding(HIDDEN // HEADS)

@@ -237,8 +237,8 @@ def deferred_sums() -> Iterator[None]:
     reduction; leaving the block normally launches the queued reductions together, up to
     MAX_SEGMENTS per launch (one launch where a backward made several, each output's values the
     same bits as its own launch would give). Code inside must not read those outputs before the
-    block ends (a layer's backward that only returns its bias and norm-weight gradients). On an
-    exception nothing is launched."""
+    block ends (a layer's backward that only returns its bias and norm-weight gradients); code that
+    does reads them inside :func:`immediate_sums`. On an exception nothing is launched."""
     outer = _deferred.queue
     queue: list = []
     _deferred.queue = queue
@@ -249,6 +249,18 @@ def deferred_sums() -> Iterator[None]:
     # only reached without an exception
     for start in range(0, len(queue), MAX_SEGMENTS):
         _sum_segments(queue[start:start + MAX_SEGMENTS])
+
+
+@contextlib.contextmanager
+def immediate_sums() -> Iterator[None]:
+    """Within (this thread): :func:`sum_partials` launches at once even inside :func:`deferred_sums`,
+    for code that reads the sums it gets (e.g. casts them) before returning them."""
+    outer = _deferred.queue
+    _deferred.queue = None
+    try:
+        yield
+    finally:
+        _deferred.queue = outer
 
 
 def _sum_segments(segments: list) -> None:

@@ -17,8 +17,8 @@ layer drop, RoPE with one table for queries and keys (then, as on the module pat
 adds its bias and the attention op rotates q and k) or none, any self-attention mask type
 ("causal", "no_mask", "padding", "padding_causal" with TE's [b, 1, 1, s] mask or a (query, key)
 pair; padded query rows of the context zeroed, as the module path does), no FP8 (outside an enabled
-``fp8_autocast``, GEMMs that never ran in FP8), no zero-centered gamma, the params' dtype (no
-torch.autocast), the Triton kernel for the input norm (not its torch twin, which ``backend="auto"``
+``fp8_autocast``, GEMMs that never ran in FP8), no zero-centered gamma, the params' dtype (or
+torch.autocast's, to which run() casts them first as the module path casts them), the Triton kernel for the input norm (not its torch twin, which ``backend="auto"``
 picks on CUDA where measured faster), the modules' own classes without hooks or replaced
 forwards, plain tensors outside torch.compile / dispatch modes / functorch. Anything else takes
 the module path, which stays what torch.compile traces.
@@ -88,6 +88,7 @@ class Plan(NamedTuple):
     rope_interleaved: bool
     pad_bias: Tensor | None  # padding masks: the key padding bias fp32 [b, s] (-inf where padded), as the op takes it
     q_masked: Tensor | None  # and the padded queries, bool [s, b, 1] (sbhd) / [b, s, 1]: their context rows are 0
+    cast: bool  # the parameters are cast to x's dtype first (torch.autocast), as the module path casts them
 
 
 def _plain_module(module: torch.nn.Module, cls: type) -> bool:
@@ -140,9 +141,14 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
     if not eager_call((x, *params)):
         return None
     n = x.shape[-1]
-    for p in params:  # the module path's casts to the compute dtype would add graph nodes; its checks, errors
+    # parameters in another dtype: under torch.autocast the module path casts each to the autocast
+    # dtype (``.to``, one graph node each); run() does the same casts, then the one node
+    cast = False
+    for p in params:
         if p is not None and (p.dtype != dtype or p.device != x.device):
-            return None
+            if p.device != x.device or not p.is_floating_point() or not _autocast_to(x, dtype):
+                return None  # the module path's checks and errors
+            cast = True
     rms = qkv.normalization == "RMSNorm"
     ln_w, ln_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b = params
     h, g, d = core.num_attention_heads, core.num_gqa_groups, core.kv_channels
@@ -178,18 +184,25 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
         if k_tab is not q_tab or r == 0 or r % 2 or r > d:
             return None  # separate query and key angles (the module path's unpacked RoPE), or its error
         cos, sin = q_tab.cos.to(x.device), q_tab.sin.to(x.device)
-    norm_twin = be_norm == "triton" and auto_on_cuda(x, qkv.backend) and _twin_applies(x, ln_w, ln_b, None) and (
+    norm_twin = be_norm == "triton" and auto_on_cuda(x, qkv.backend) and (cast or _twin_applies(x, ln_w, ln_b, None)) and (
         dispatch.choose("rms_norm" if rms else "layer_norm", x, dispatch.norm_class(n),
                         dispatch.needs_backward(x, ln_w, ln_b)) == dispatch.TWIN)
-    if norm_twin and rms:
-        return None  # torch's RMSNorm there: the module path
+    if norm_twin and (rms or cast):
+        return None  # torch's RMSNorm there, or torch's norm under autocast (its fp32 policy): the module path
     return Plan(
         tuple(x.shape), rms, float(qkv.eps), float(mlp.eps), h, g, core.qkv_format == "sbhd", causal,
         float(core.attention_dropout) if training else 0.0, float(layer.hidden_dropout) if training else 0.0,
         default_scale(d, core.softmax_scale), core.one_kernel_backward, activation, be_norm, be_attn, be_bdan,
         gemm_backend(x, mlp.backend, fc2_w.shape[1], *params), be_bdan, norm_twin, cos, sin,
-        attn.rotary_pos_interleaved, pad_bias, q_masked,
+        attn.rotary_pos_interleaved, pad_bias, q_masked, cast,
     )
+
+
+def _autocast_to(x: Tensor, dtype: torch.dtype) -> bool:
+    """torch.autocast is on for x's device and casts to ``dtype`` (what the module path computes in)."""
+    device_type = x.device.type
+    return (device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
+            and torch.get_autocast_dtype(device_type) == dtype)
 
 
 def _params(layer) -> tuple[Tensor | None, ...]:
@@ -341,6 +354,9 @@ def run(layer, plan: Plan, x: Tensor, seeds) -> Tensor:
     """The layer's output through one autograd node (or, without a gradient to compute, the same
     forward without saving)."""
     params = _params(layer)
+    if plan.cast:  # torch.autocast: the module path's .to(compute dtype) of each parameter, as graph nodes
+        dtype = x.dtype
+        params = tuple(p.to(dtype) if p is not None else None for p in params)
     s_attn = seeds[0] if plan.p_attn > 0 else None
     s1, s2 = (seeds[1], seeds[2]) if plan.p_hidden > 0 else (None, None)
     if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
