@@ -207,6 +207,26 @@ def test_one_node_under_autocast_equals_module_path(name, backend):
     assert all(p.grad.dtype == torch.float32 for p in one.parameters())
 
 
+@pytest.mark.parametrize("name,backend", [("gpt", "torch"), ("llama-gqa-bshd-p0", "torch"), ("gpt", "triton")])
+def test_one_node_with_progressive_layer_drop_equals_module_path(name, backend):
+    """Progressive layer drop: a kept layer scales both residual branches and their biases by 1 / p
+    (the bias gradients after the deferred reductions); steps that drop the layer return x on both
+    paths. The module path's values bit for bit over steps that keep and drop."""
+    kwargs = {"gpt": {}, "llama-gqa-bshd-p0": {**CASES[1], "hidden_dropout": 0.0}}[name]
+    from tachyon.nn import transformer_layer_fused as one_node
+
+    one, mod = _pair(backend=backend, layer_number=3, num_layers=4, **kwargs)
+    runs = []
+    real_run = one_node.run
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(one_node, "run", lambda *a: runs.append(a[1].scale) or real_run(*a))
+        steps = 6 if backend == "torch" else 3
+        _assert_same(one, mod, steps=steps, progressive_layer_drop=True, pld_theta=0.5)
+    # some steps kept the layer (the one node ran, scale 1 / p > 1) and, on the torch backend, some dropped it
+    assert runs and all(scale > 1.0 for scale in runs), runs
+    assert backend != "torch" or len(runs) < steps, runs
+
+
 def test_rope_with_separate_query_and_key_angles_takes_the_module_path():
     one, mod = _pair(backend="torch")
     rope = tachyon.nn.RotaryPositionEmbedding(HIDDEN // HEADS)

@@ -12,8 +12,8 @@ backward calls their backward implementations and the same GEMMs autograd would 
 path's, bit for bit, and the same tensors are saved (tests/nn/test_transformer_layer_fused.py).
 
 It runs where the module path would run exactly these ops: an encoder layer, pre-LN
-(``output_layernorm=False``, ``apply_residual_connection_post_layernorm=False``), no progressive
-layer drop, RoPE with one table for queries and keys (then, as on the module path, the QKV GEMM
+(``output_layernorm=False``, ``apply_residual_connection_post_layernorm=False``), progressive layer
+drop or not (its 1 / p on both residual branches, as the module path), RoPE with one table for queries and keys (then, as on the module path, the QKV GEMM
 adds its bias and the attention op rotates q and k) or none, any self-attention mask type
 ("causal", "no_mask", "padding", "padding_causal" with TE's [b, 1, 1, s] mask or a (query, key)
 pair; padded query rows of the context zeroed, as the module path does), no FP8 (outside an enabled
@@ -91,6 +91,7 @@ class Plan(NamedTuple):
     q_masked: Tensor | None  # and the padded queries, bool [s, b, 1] (sbhd) / [b, s, 1]: their context rows are 0
     cast: bool  # the parameters are cast to x's dtype first (torch.autocast), as the module path casts them
     zero_centered: bool  # the norms' weights are 1 + gamma in fp32 (zero_centered_gamma), as the module path forms them
+    scale: float  # progressive layer drop's 1 / p on both residual branches (1.0: none)
 
 
 def _plain_module(module: torch.nn.Module, cls: type) -> bool:
@@ -107,7 +108,7 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
     (module docstring)."""
     if _is_compiling():  # first: torch.compile traces the module path and nothing of the checks below
         return None
-    if (scale != 1.0 or layer.layer_type != "encoder" or layer.output_layernorm
+    if (layer.layer_type != "encoder" or layer.output_layernorm
             or layer.apply_residual_connection_post_layernorm
             or encoder_output is not None):
         return None
@@ -202,7 +203,7 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
         float(core.attention_dropout) if training else 0.0, float(layer.hidden_dropout) if training else 0.0,
         default_scale(d, core.softmax_scale), core.one_kernel_backward, activation, be_norm, be_attn, be_bdan,
         gemm_backend(x, mlp.backend, fc2_w.shape[1], *params), be_bdan, norm_twin, cos, sin,
-        attn.rotary_pos_interleaved, pad_bias, q_masked, cast, zero_centered,
+        attn.rotary_pos_interleaved, pad_bias, q_masked, cast, zero_centered, float(scale),
     )
 
 
@@ -258,11 +259,16 @@ def forward(plan: Plan, x: Tensor, seeds, params, save: bool):
     ctx_in = ctx if plan.q_masked is None else ctx.masked_fill(plan.q_masked, 0.0)
     ctx2 = ctx_in.view(-1, ctx.shape[-1])
     a = F.linear(ctx2, proj_w)
+    scale = plan.scale
+    if scale != 1.0:  # progressive layer drop: a kept layer's residual branches over p, as the module path's _bda
+        a, proj_b = a * scale, (proj_b * scale if proj_b is not None else None)
     # h = x + dropout(a + proj_b), y1 = norm2(h): one kernel
     y1, z1, mean1, rstd1 = _bdan_fwd_impl(a, proj_b, x2, ln2_w, ln2_b, plan.eps2, plan.p_hidden, 0, s1, plan.rms, False,
                                           True, plan.be_bdan)
     pre, act = _gemm_bias_act_impl(y1, fc1_w, fc1_b, plan.activation, plan.be_mlp)
     f = F.linear(act, fc2_w)
+    if scale != 1.0:
+        f, fc2_b = f * scale, (fc2_b * scale if fc2_b is not None else None)
     out = _bda_fwd_impl(f, fc2_b, z1, plan.p_hidden, 0, s2, plan.be_bda)
     if not save:
         return out.view(*shape), None
@@ -278,7 +284,9 @@ def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs, biases):
     """Gradients of (x, *params) from the output's gradient; ``needs``: which inputs want one
     (ctx.needs_input_grad without the plan and the seeds). The backward does not read proj_b,
     fc1_b and fc2_b (None in ``params``; not saved, as on the module path): ``biases`` says
-    (proj_b's dtype or None, whether fc1_b exists, fc2_b's dtype or None)."""
+    (proj_b's dtype or None, whether fc1_b exists, fc2_b's dtype or None). With progressive layer
+    drop the gradients of proj_b and fc2_b are returned without its scale (the caller applies it
+    once the deferred reductions have written them)."""
     ln_w, ln_b, qkv_w, qkv_b, proj_w, _, ln2_w, ln2_b, fc1_w, _, fc2_w, _ = params
     proj_bd, has_fc1_b, fc2_bd = biases
     (x2, mean0, rstd0, y0, qkv, ctx, lse, qk_rot, rope_cos, rope_sin, pad_bias, q_masked, ctx_in, z1, mean1, rstd1, y1,
@@ -294,6 +302,8 @@ def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs, biases):
         d_fc2_b = d_fc2_b if fc2_bd is not None else None
     else:
         df, d_fc2_b = d, (d.sum(0, dtype=torch.float32).to(fc2_bd) if fc2_bd is not None else None)
+    if plan.scale != 1.0:  # progressive layer drop (d_fc2_b's scale: after the reductions, by the caller)
+        df = df * plan.scale
     # MLP: dW2, then the dX GEMM with the activation's derivative (and fc1_b's gradient) in its epilogue
     d_fc2_w = df.t().mm(act) if needs[11] else None
     dpre, d_fc1_b = _gemm_act_grad_impl(df, fc2_w, pre, plan.activation, has_fc1_b, plan.be_mlp)
@@ -304,6 +314,8 @@ def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs, biases):
         dy1, z1, d, ln2_w, ln2_b, rstd1 if mean1 is None else mean1, rstd1, p, 0, s1, plan.rms, False,
         proj_bd is not None, proj_bd or dy1.dtype, True, plan.be_bdan)
     dx_branch = dres if p > 0 else da
+    if plan.scale != 1.0:  # (d_proj_b's: by the caller)
+        da = da * plan.scale
     dctx = da.mm(proj_w)
     ctx_in = ctx if ctx_in is None else ctx_in  # the projection's input (padded query rows zeroed)
     d_proj_w = da.t().mm(ctx_in.view(-1, ctx.shape[-1])) if needs[5] else None
@@ -353,6 +365,11 @@ class TransformerLayerFunction(torch.autograd.Function):
         with deferred_sums():
             grads = backward(ctx.plan, dout, (s_attn, s1, s2), rest[:12], rest[12:], (needs[1], *needs[5:]),
                              ctx.biases)
+        scale = ctx.plan.scale
+        if scale != 1.0:  # progressive layer drop on the two branch biases' gradients, now that they are summed
+            grads = list(grads)
+            for i in (6, 12):  # d_proj_b, d_fc2_b
+                grads[i] = grads[i] * scale if grads[i] is not None else None
         return (None, grads[0], None, None, None, *grads[1:])
 
 
