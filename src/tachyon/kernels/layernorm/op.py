@@ -32,7 +32,7 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
-@fused_op("tachyon::norm_fwd", mutates_args=())
+@fused_op("tachyon::norm_fwd", mutates_args=(), triton_op=True)
 def _norm_fwd(
     x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
     eps: float, is_rms: bool, invertible: bool, backend: str,
@@ -56,7 +56,7 @@ def _(x, weight, bias, residual, eps, is_rms, invertible, backend):
     return torch.empty_like(x), z, (_empty(stats) if is_rms or invertible else stats), torch.empty_like(stats)
 
 
-@fused_op("tachyon::norm_bwd", mutates_args=())
+@fused_op("tachyon::norm_bwd", mutates_args=(), triton_op=True)
 def _norm_bwd(
     dy: Tensor, saved: Tensor, dz_out: Tensor | None, weight: Tensor, bias: Tensor | None,
     mean: Tensor, rstd: Tensor, is_rms: bool, from_output: bool, backend: str,
