@@ -153,6 +153,141 @@ def test_autotuning_runs_once_per_key_and_the_chosen_config_is_reused(cache_resu
     assert r["cache sizes"][1][0] == 3  # three autotuning keys: n=100, n=120, n=100 in fp16
 
 
+_KEY_SCRIPT = r"""
+import json
+import random
+import torch
+import triton
+import triton.language as tl
+import triton.runtime.jit as triton_jit
+from tachyon.kernels import launch
+from tachyon.kernels.launch import fast_launch
+from tachyon.profiling import launch_stub
+from tachyon.profiling.launch_stub import StubLaunches
+
+
+@fast_launch
+@triton.jit
+def _spec(X, Y, a, b, c, eps, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs, tl.load(X + offs) * eps + a + b + c)
+
+
+called = []
+real_call = launch_stub._StubLauncher.__call__
+
+
+def recording_call(self, *args):
+    called.append(self)
+    return real_call(self, *args)
+
+
+launch_stub._StubLauncher.__call__ = recording_call
+VALUES = [0, 1, 2, 7, 15, 16, 17, 32, 48, 1000, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32, 2**40 + 1,
+          2**63 - 16, 2**63, 2**63 + 16, 2**64 - 16, -1, -16, True, False]
+results = {}
+with StubLaunches() as stub:
+    rng = random.Random(0)
+    bases = {dt: torch.empty(64, dtype=dt) for dt in (torch.float32, torch.float16, torch.bfloat16)}
+    binds = negative_trials = 0
+    mismatches = []
+    for trial in range(600):
+        dt = rng.choice(list(bases))
+        x = bases[dt][rng.randrange(8):]
+        y = bases[rng.choice(list(bases))][rng.randrange(8):]
+        a, b, c = (rng.choice(VALUES) for _ in range(3))
+        negative_trials += min(a, b, c) < 0
+        block = rng.choice((16, 32))
+        kwargs = dict(BLOCK=block, num_warps=rng.choice((1, 2)))
+        for again in range(2):  # the second time with the same arguments: an argument-key hit unless a < 0
+            called.clear()
+            _spec[(1,)](x, y, a, b, c, 0.5, **kwargs)
+            if trial == 0 and again == 0:  # count the binder's calls from here on (JITFunction.run's too)
+                compiled_before = len(stub.compiles)
+                cache = _spec.jit.device_caches[0]
+                real_binder = cache[4]
+
+                def counting_binder(*args, **kw):
+                    global binds
+                    binds += 1
+                    return real_binder(*args, **kw)
+
+                _spec.jit.device_caches[0] = (*cache[:4], counting_binder, *cache[5:])
+            _, spec, options = real_binder(x, y, a, b, c, 0.5, **kwargs)
+            want = _spec._entries.get((0, *spec, *options.items()), (None,))[0]  # None: never compiled
+            if called != [want]:
+                mismatches.append([str(dt), x.data_ptr() % 16, y.data_ptr() % 16, a, b, c, block])
+    results["rules hold"] = launch.argument_key_holds(_spec._active_backend())
+    results["binder calls"] = binds - (len(stub.compiles) - compiled_before)  # without JITFunction.run's
+    results["negative trials"] = negative_trials
+    results["mismatches"] = mismatches[:5]
+    results["mismatch count"] = len(mismatches)
+    results["argument keys"] = _spec.argument_keys()
+    # new integer values of a seen class (1056 and 1072: residue 0, 11 bits; 35 and 51: residue 3, 6 bits):
+    # served by the class key, no binder call
+    x = bases[torch.float32]
+    _spec[(1,)](x, x, 32 + 1024, 35, 7, 0.5, BLOCK=16, num_warps=1)
+    before = binds
+    _spec[(1,)](x, x, 48 + 1024, 51, 7, 0.5, BLOCK=16, num_warps=1)
+    results["binder calls for a seen class"] = binds - before
+    results["specializations"] = _spec.cache_sizes()[1]
+
+    # a specializer that also looks at divisibility by 32: the argument key no longer decides, so it is not used
+    real_spec = triton_jit.native_specialize_impl
+
+    def finer(backend, arg, is_const, specialize, align):
+        out = real_spec(backend, arg, is_const, specialize, align)
+        if type(arg) is int and arg % 32 == 0 and out[0] != "constexpr":
+            return (out[0], "D32")
+        return out
+
+    triton_jit.native_specialize_impl = finer
+    launch._KEY_CHECK = None
+    results["finer rules hold"] = launch.argument_key_holds(_spec._active_backend())
+    triton_jit.native_specialize_impl = real_spec
+    launch._KEY_CHECK = False  # as a process whose Triton failed the check
+
+    @fast_launch
+    @triton.jit
+    def _other(X, n, BLOCK: tl.constexpr):
+        tl.store(X + tl.arange(0, BLOCK), n)
+
+    x = torch.empty(64)
+    for _ in range(3):
+        _other[(1,)](x, 16, BLOCK=16)
+    results["keys without the check"] = _other.argument_keys()
+    results["launches without the check"] = len([l for l in stub.launches if l.name == "_other"])
+print("RESULTS", json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def key_results():
+    out = run_without_interpreter(_KEY_SCRIPT)
+    line = next(line for line in out.splitlines() if line.startswith("RESULTS "))
+    return json.loads(line.removeprefix("RESULTS "))
+
+
+def test_the_argument_key_selects_the_kernel_tritons_binder_selects(key_results):
+    """600 launches with random dtypes, pointer offsets, integers (0, 1, multiples of 16, around
+    2**31, 2**63 and 2**64, negatives, bools) and constexprs: each runs exactly the compiled kernel
+    of the specialization Triton's binder computes for its arguments."""
+    r = key_results
+    assert r["rules hold"] is True
+    assert r["mismatch count"] == 0, r["mismatches"]
+    # the key path was taken: every repeated call without a negative integer found its argument key
+    # (the binder ran for the first calls and for the repeats with a negative integer only)
+    assert r["argument keys"] > 100 and r["specializations"] > 10
+    assert r["binder calls for a seen class"] == 0
+    assert r["binder calls"] <= 600 + r["negative trials"]
+
+
+def test_where_tritons_rules_differ_the_argument_key_is_not_used(key_results):
+    r = key_results
+    assert r["finer rules hold"] is False
+    assert r["keys without the check"] == 0 and r["launches without the check"] == 3
+
+
 def test_under_the_interpreter_fast_launch_takes_the_plain_path():
     import triton
     import triton.language as tl

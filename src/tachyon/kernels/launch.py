@@ -13,11 +13,17 @@ only what decides which compiled kernel runs and the launch itself:
 1. autotuned kernels: the autotuning key (the values of the autotuner's ``key`` arguments and every
    tensor argument's dtype, as ``Autotuner.run`` computes it) selects the config tuned for it;
    an unseen key goes through ``Autotuner.run`` once, which benchmarks and caches the choice;
-2. Triton's own generated binder (native specialization: dtypes, 16-byte alignment of pointers,
-   integer ranges and divisibility by 16, the value 1, constexprs) gives the specialization key, so
-   a kernel is reused exactly where ``JITFunction.run`` would reuse it; an unseen key (a new dtype,
-   alignment, stride class, constexpr or device) goes through ``JITFunction.run`` once, which
-   compiles;
+2. the arguments' key: per argument a few facts read by C-level passes over them (the tensors'
+   dtypes and addresses modulo 16; each integer's value modulo 16 and bit
+   length; the exact values of constexpr arguments and keyword arguments) selects the compiled
+   kernel's launcher. Those facts determine Triton's specialization (dtype, pointer alignment,
+   integer divisibility by 16, the value 1, 32-/64-bit range, constexprs), which is checked against
+   Triton's own specializer once per process (:func:`argument_key_holds`); an unseen key, a
+   negative integer or an argument of another type goes through Triton's
+   generated binder (the specialization key itself, ~1 us per argument) and, for an unseen
+   specialization (a new dtype, alignment, stride class, constexpr or device), through
+   ``JITFunction.run`` once, which compiles. The key costs a fraction of the binder: a kernel of
+   40 arguments, most of them strides, binds in about 30 us;
 3. the compiled kernel's launcher is called with the current stream.
 
 What the fast path leaves out: Triton's launch enter/exit hooks (the proton profiler; turn the
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +58,11 @@ _wrapping = 0  # > 0 inside wrapped_launches(): launches go through torch.librar
 _enabled = True  # the cached path is taken: _user_enabled and not _wrapping (one global read per launch)
 _Tensor = torch.Tensor
 _dtype_of = operator.attrgetter("dtype")
+_data_ptr = torch.Tensor.data_ptr
+_and = operator.and_
+_bit_length = int.bit_length
+_FIFTEEN = itertools.repeat(15)  # map(_and, ints, _FIFTEEN): each integer modulo 16 (stateless, shared)
+_MAX_KEYS = 4096  # argument keys kept per kernel (a bound: e.g. int seeds give a key per residue and bit length)
 
 
 def set_fast_launch(enabled: bool) -> None:
@@ -143,6 +155,77 @@ def _jit_function(fn: Any):
     return fn
 
 
+class _Form:
+    """How to key calls with one tuple of positional argument types and one set of keyword names:
+    which positions hold tensors, integers (keyed by value modulo 16 and bit length) and exact values
+    (constexpr parameters given positionally). ``ok`` is False where the argument key does not apply:
+    an argument of another type at a runtime parameter, or a runtime parameter passed by keyword."""
+
+    __slots__ = ("ok", "tensors", "ints", "exact")
+
+    def __init__(self, jit: Any, types: tuple[type, ...], kw_names: tuple[str, ...]) -> None:
+        params = jit.params
+        self.ok = len(types) <= len(params) and all(
+            p.is_constexpr for p in params if p.name in kw_names)
+        tensors, ints, exact = [], [], []
+        for i, t in enumerate(types):
+            if not self.ok:
+                break
+            if params[i].is_constexpr:
+                exact.append(i)
+            elif issubclass(t, _Tensor):
+                tensors.append(i)
+            elif t is int or t is bool:
+                ints.append(i)
+            elif t is not float and t is not type(None):
+                self.ok = False  # e.g. triton.reinterpret's TensorWrapper: Triton's binder handles it
+        self.tensors, self.ints, self.exact = _picker(tensors), _picker(ints), _picker(exact)
+
+
+def _picker(positions: list[int]) -> Callable[[Sequence[Any]], tuple]:
+    """A C-level function returning the arguments at ``positions`` as a tuple (one position: the
+    argument twice, which keys the same; none: the empty slice)."""
+    if not positions:
+        return operator.itemgetter(slice(0, 0))
+    return operator.itemgetter(*positions) if len(positions) >= 2 else operator.itemgetter(positions[0], positions[0])
+
+
+_KEY_CHECK: bool | None = None  # argument_key_holds(), once per process
+
+
+def argument_key_holds(backend: Any) -> bool:
+    """Whether Triton's specializer (``native_specialize_impl``) gives one answer for all integers
+    of one class of the argument key (value modulo 16, bit length; non-negative) and for tensors of
+    one dtype whose addresses agree modulo 16: the condition for the argument key to select exactly
+    the kernel Triton's binder would. Checked at the ends of every class (2,176 integers) and on
+    tensors of four dtypes at every address residue, once per process; where it fails (a Triton that specializes on
+    something else), every launch goes through the binder."""
+    global _KEY_CHECK
+    if _KEY_CHECK is None:
+        try:
+            from triton.runtime.jit import native_specialize_impl as spec
+        except ImportError:
+            _KEY_CHECK = False
+            return False
+        ok = True
+        for bits in range(65):
+            lo, hi = (0, 0) if bits == 0 else (1 << (bits - 1), (1 << bits) - 1)
+            for r in range(16):
+                values = [v for v in (lo + ((r - lo) % 16), hi - ((hi - r) % 16)) if lo <= v <= hi and v % 16 == r]
+                answers = {spec(backend, v, False, True, True) for v in values}
+                ok = ok and len(answers) <= 1
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
+            bases = [torch.empty(64, dtype=dtype) for _ in range(2)]
+            by_residue: dict[int, set] = {}
+            for base in bases:
+                for i in range(16):
+                    view = base[i:]
+                    by_residue.setdefault(view.data_ptr() % 16, set()).add(spec(backend, view, False, True, True))
+            ok = ok and all(len(answers) == 1 for answers in by_residue.values())
+        _KEY_CHECK = ok
+    return _KEY_CHECK
+
+
 class FastKernel:
     """A Triton kernel (``@triton.jit``, optionally ``@triton.autotune`` on top) with cached
     launches; see the module docstring. ``kernel[grid](*args, **kwargs)`` launches it and returns
@@ -162,6 +245,12 @@ class FastKernel:
         self._entries: dict[tuple, tuple[Callable, Any, Any]] = {}
         self._lock = threading.Lock()
         self._pickers: dict[tuple[type, ...], Callable[[Sequence[Any]], tuple]] = {}  # see _tensor_picker
+        # argument key (module docstring) -> (launcher, function, metadata, the launcher's arguments after
+        # the positional ones, all parameter names, those after the positional ones with their values);
+        # (argument types, keyword names) -> _Form
+        self._keyed: dict[tuple, tuple] = {}  # by the integers' exact values
+        self._classed: dict[tuple, tuple] = {}  # by the integers' classes
+        self._forms: dict[tuple, _Form] = {}
         if self.autotuner is not None and self.jit is not None:
             names = self.jit.arg_names
             self._tune_positions = [(names.index(k), k) for k in self.autotuner.keys if k in names]
@@ -222,13 +311,12 @@ class FastKernel:
             self._pickers[types] = pick
         return pick
 
-    def _tune_key(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
+    def _tune_key(self, args: Sequence[Any], kwargs: dict[str, Any], types: tuple[type, ...]) -> tuple:
         """The autotuning key as Autotuner.run builds it: the key arguments' values, then the dtype
         of every argument that has one (tensors), positional then keyword. The tensors are found
         by the arguments' types (one C-level pass; the positions cached per tuple of types)."""
         n = len(args)
         key = [args[i] if i < n else kwargs.get(name) for i, name in self._tune_positions]
-        types = tuple(map(type, args))
         pick = self._pickers.get(types) or self._tensor_picker(types)
         key += map(_dtype_of, pick(args))
         if kwargs:
@@ -248,10 +336,11 @@ class FastKernel:
         if active is not self._active:
             self._bind_driver(active)
         device = self._current_device()
-        config, full = None, kwargs
+        types = tuple(map(type, args))
+        config, full, tune_key = None, kwargs, None
         if self.autotuner is not None:
             if self._tuned:
-                tune_key = self._tune_key(args, kwargs)
+                tune_key = self._tune_key(args, kwargs, types)
                 found = self._configs.get(tune_key)
                 if found is None:  # Autotuner.run benchmarks the configs for this key and launches
                     self._plain(grid, args, kwargs)
@@ -270,6 +359,37 @@ class FastKernel:
             self.best_config = config
             if config.pre_hook is not None:
                 config.pre_hook({**dict(zip(self.jit.arg_names, args)), **full})
+        # the argument key (module docstring, step 2): C-level passes over the arguments. First with the
+        # integers' exact values (no per-integer work; shapes and strides repeat), then by their classes
+        # (value mod 16, bit length: e.g. int seeds). The autotuning key already holds every tensor's
+        # dtype; the config goes by identity (the autotuner keeps its configs; Config.__hash__ is Python)
+        form = self._forms.get((types, *kwargs))
+        if form is None:
+            form = self._form(types, tuple(kwargs))
+        akey = ckey = None
+        if form.ok:
+            tensors, ints = form.tensors(args), form.ints(args)
+            facts = (id(config), *(map(_dtype_of, tensors) if tune_key is None else tune_key),
+                     *map(_and, map(_data_ptr, tensors), _FIFTEEN), *form.exact(args), *kwargs.values())
+            akey = (device, form, ints, *facts)
+            keyed = self._keyed.get(akey)
+            if keyed is None and (not ints or min(ints) >= 0):
+                ckey = (device, form, *map(_and, ints, _FIFTEEN), *map(_bit_length, ints), *facts)
+                keyed = self._classed.get(ckey)
+                if keyed is not None and len(self._keyed) < _MAX_KEYS:
+                    with self._lock:
+                        self._keyed[akey] = keyed
+            if keyed is not None:
+                run, function, metadata, tail, names, meta = keyed
+                if callable(grid):  # with the constexprs (what tachyon's grids read: block sizes), else all
+                    try:
+                        grid = grid(meta)
+                    except KeyError:
+                        grid = grid(dict(zip(names, (*args, *tail))))
+                n = len(grid)
+                run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._current_stream(device),
+                    function, metadata, None, None, None, *args, *tail)
+                return config
         binder = self.jit.device_caches[device][4]
         bound, specialization, options = binder(*args, **full)
         key = (device, *specialization, *options.items())
@@ -278,9 +398,11 @@ class FastKernel:
             compiled = self.jit.run(*args, grid=grid, warmup=False, **full)
             compiled.run  # noqa: B018  (loads the binary and builds the launcher)
             with self._lock:
-                self._entries[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+                self._entries[key] = entry = (compiled.run, compiled.function, compiled.packed_metadata)
+            self._remember(akey, ckey, entry, bound, len(args))
             return config
         run, function, metadata = entry
+        self._remember(akey, ckey, entry, bound, len(args))
         if callable(grid):
             grid = grid(bound)
         n = len(grid)
@@ -288,9 +410,43 @@ class FastKernel:
             metadata, None, None, None, *bound.values())
         return config
 
+    def _form(self, types: tuple[type, ...], kw_names: tuple[str, ...]) -> _Form:
+        form = _Form(self.jit, types, kw_names)
+        form.ok = form.ok and argument_key_holds(self._active_backend())
+        if len(self._forms) < 256:
+            with self._lock:
+                self._forms[(types, *kw_names)] = form
+        return form
+
+    def _active_backend(self) -> Any:
+        """The compiler backend of the active driver's target (what Triton's binder specializes for)."""
+        from triton.compiler import make_backend
+
+        return make_backend(self._active.get_current_target())
+
+    def _remember(self, akey: tuple | None, ckey: tuple | None, entry: tuple, bound: dict[str, Any],
+                  positional: int) -> None:
+        """Key the launch entry by its argument keys (exact, and by class where computed): the launcher's
+        arguments are the positional ones followed by ``tail`` (constexprs and defaults: fixed for
+        one argument key), which are also what a grid function reads (``meta``)."""
+        if akey is None:
+            return
+        values = tuple(bound.values())
+        names = tuple(bound)
+        keyed = (*entry, values[positional:], names, dict(zip(names[positional:], values[positional:])))
+        with self._lock:
+            if len(self._keyed) < _MAX_KEYS:
+                self._keyed[akey] = keyed
+            if ckey is not None and len(self._classed) < _MAX_KEYS:
+                self._classed[ckey] = keyed
+
     def cache_sizes(self) -> tuple[int, int]:
         """(autotuning keys seen, compiled specializations launched through the fast path)."""
         return len(self._configs), len(self._entries)
+
+    def argument_keys(self) -> int:
+        """Argument keys seen by integer class (each selects one of the compiled specializations)."""
+        return len(self._classed)
 
 
 def fast_launch(kernel: Any) -> Any:
@@ -300,5 +456,5 @@ def fast_launch(kernel: Any) -> Any:
     return FastKernel(kernel)
 
 
-__all__ = ["FastKernel", "fast_launch", "fast_launch_enabled", "set_fast_launch", "traceable_kernel",
-           "wrapped_launches"]
+__all__ = ["FastKernel", "argument_key_holds", "fast_launch", "fast_launch_enabled", "set_fast_launch",
+           "traceable_kernel", "wrapped_launches"]
