@@ -134,11 +134,7 @@ def sum_block_n(n: int, groups: int, device: torch.device) -> int:
     row): with 1024 columns per program, as under the interpreter, a 1024-wide LayerNorm's two
     partial buffers were summed by 2 programs on 2 of 132 SMs. Under the interpreter, few wide
     programs (each program costs milliseconds)."""
-    widest = min(next_power_of_2(n), 1024)
-    sms = gpu_sms(device)
-    if not sms:
-        return widest
-    return max(min(32, widest), min(widest, next_power_of_2(cdiv(n * groups, sms))))
+    return _sum_geometry(1, n, groups, gpu_sms(device))[2]
 
 
 def partials(programs: int, groups: int, n: int, device: torch.device) -> torch.Tensor:
@@ -148,21 +144,31 @@ def partials(programs: int, groups: int, n: int, device: torch.device) -> torch.
     return torch.empty((programs, groups * n), dtype=torch.float32, device=device)
 
 
+@functools.lru_cache(maxsize=512)  # host time: one C-level cache hit per call instead of the arithmetic
+def _sum_geometry(p: int, n: int, groups: int, sms: int | None) -> tuple[tuple[int, int], int, int]:
+    """(grid, BLOCK_P, BLOCK_N) of :func:`sum_partials` for P partial rows of ``groups`` groups of n columns."""
+    widest = min(next_power_of_2(n), 1024)
+    block_n = widest if not sms else max(min(32, widest), min(widest, next_power_of_2(cdiv(n * groups, sms))))
+    block_p = min(next_power_of_2(p), max(1, TILE // block_n))
+    return (cdiv(n, block_n), groups), block_p, block_n
+
+
 def sum_partials(part: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
     """Column sums of each group of ``part`` (fp32 [P, G * n], see :func:`partials`) over its P
     rows, in fp32 and stored in ``dtypes[g]``: G tensors [n] from ONE launch (summing each group
     with torch would be a launch per group, plus one per cast). Deterministic (a fixed order)."""
     groups = len(dtypes)
-    if not 1 <= groups <= 3 or part.dim() != 2 or part.shape[1] % groups:
+    p, width = part.shape if part.dim() == 2 else (0, -1)
+    if not 1 <= groups <= 3 or width < 0 or width % groups:
         raise ValueError(f"sum_partials: part [P, G * n] with G in 1..3 groups; got shape {tuple(part.shape)}, G={groups}")
-    p, n = part.shape[0], part.shape[1] // groups
-    outs = [torch.empty(n, dtype=dt, device=part.device) for dt in dtypes]
+    n, device = width // groups, part.device
+    outs = [torch.empty(n, dtype=dt, device=device) for dt in dtypes]
     if n == 0:
         return outs
-    block_n = sum_block_n(n, groups, part.device)
-    block_p = min(next_power_of_2(p), max(1, TILE // block_n))
-    pad = outs + [outs[0]] * (3 - groups)
-    _sum_partials_kernel[(cdiv(n, block_n), groups)](
-        part, *pad, p, n, part.stride(0), BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
+    grid, block_p, block_n = _sum_geometry(p, n, groups, gpu_sms(device))
+    out0 = outs[0]
+    _sum_partials_kernel[grid](
+        part, out0, outs[1] if groups > 1 else out0, outs[2] if groups > 2 else out0, p, n, part.stride(0),
+        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
     )
     return outs
