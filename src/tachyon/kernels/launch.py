@@ -288,7 +288,6 @@ class FastKernel:
         if self._traceable is None:
             self._traceable = traceable_kernel(self.kernel)
         wrap_triton(self._traceable)[grid](*args, **kwargs)
-        return None
 
     def _plain(self, grid: Any, args: Sequence[Any], kwargs: dict[str, Any]):
         """Triton's own path; returns the compiled kernel it ran."""
