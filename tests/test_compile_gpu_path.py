@@ -242,7 +242,8 @@ def _triton_nodes(gm) -> int:
 
 
 @pytest.mark.parametrize("case", ["layer_norm+residual", "rms_norm", pytest.param("layer_norm", marks=pytest.mark.slow),
-                                  pytest.param("layer_norm invertible", marks=pytest.mark.slow)])
+                                  pytest.param("layer_norm invertible", marks=pytest.mark.slow),
+                                  pytest.param("layer_norm+branch", marks=pytest.mark.slow)])
 def test_compiled_norm_graph_holds_the_triton_kernels_and_matches_eager(case):
     from tachyon.kernels import launch
     from tachyon.kernels.layernorm import layer_norm, rms_norm
@@ -262,6 +263,9 @@ def test_compiled_norm_graph_holds_the_triton_kernels_and_matches_eager(case):
             return layer_norm(x, w, b, backend="triton") * r
         if case == "rms_norm":
             return rms_norm(x, w, backend="triton") * r
+        if case == "layer_norm+branch":  # z = x itself, its gradient added by the norm's backward kernel (pre-LN)
+            y, z = layer_norm(x, w, b, return_residual=True, backend="triton")
+            return y * r + z * z
         return layer_norm(x, w, b, invertible=True, backend="triton") * r
 
     backend, graphs = _aot_capture()
