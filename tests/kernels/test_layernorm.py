@@ -237,6 +237,12 @@ from tachyon.kernels import tiling  # the backward's partial sums: (column block
 
 compile_sm90(tiling._sum_partials_kernel, {"PART": "*fp32", "OUT0": "*bf16", "OUT1": "*bf16", "OUT2": "*fp32",
              "P": "i32", "N": "i32"}, dict(BLOCK_P=128, BLOCK_N=32), num_warps=4)
+# a layer backward's reductions in one launch: five segments of different blocks
+segment_types = {}
+for k in "ABCDE":
+    segment_types.update({f"{k}_PART": "*fp32", f"{k}_OUT0": "*bf16", f"{k}_OUT1": "*bf16", f"{k}_OUT2": "*fp32"})
+blocks = dict(A_BP=128, A_BN=32, B_BP=32, B_BN=128, C_BP=64, C_BN=64, D_BP=4, D_BN=1024, E_BP=128, E_BN=32)
+compile_sm90(tiling._sum_segments_kernel, segment_types, dict(SEGMENTS=5, **blocks), num_warps=4)
 """
 
 
@@ -246,7 +252,7 @@ def test_kernels_compile_for_an_h100_without_a_gpu():
     kernel that sums the backward's partial rows."""
     from tests.utils.aot import compile_in_subprocess
 
-    compile_in_subprocess(_AOT_SCRIPT, expected=5)
+    compile_in_subprocess(_AOT_SCRIPT, expected=6)
 
 
 @pytest.mark.parametrize("n,groups,sms,expected", [

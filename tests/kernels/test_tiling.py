@@ -58,3 +58,67 @@ def test_norm_backward_with_a_gpu_grid_gives_the_same_gradients(monkeypatch):
     big = torch.autograd.grad(layer_norm(x, w, b, backend="triton"), (x, w, b), dy)
     for name, a, c in zip(("dx", "dweight", "dbias"), big, small):
         assert_close(a, c, name=name)
+
+
+def _reductions(seed: int) -> list[tuple[torch.Tensor, list[torch.dtype]]]:
+    """Seven partial-sum buffers of different rows, widths and groups (a layer backward's mix)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(5, 1, 64), (12, 2, 64), (3, 3, 40), (9, 1, 256), (1, 1, 7), (20, 2, 33), (4, 1, 1500)]
+    kinds = [torch.float32, torch.bfloat16, torch.float16]
+    return [(torch.randn(p, g * n, generator=gen), kinds[:g]) for p, g, n in shapes]
+
+
+@pytest.mark.parametrize("sms", [None, 132], ids=["interpreter grid", "H100 grid"])
+@pytest.mark.parametrize("count", [2, 5, 7])
+def test_deferred_sums_give_each_reduction_the_bits_of_its_own_launch(monkeypatch, sms, count):
+    """Inside deferred_sums the reductions are queued and launched together (five per launch, so
+    seven take two); each output equals, bit for bit, what sum_partials launched alone gives, and
+    nothing is written before the block ends."""
+    monkeypatch.setattr(tiling, "INTERPRETER_AS_SMS", sms)
+    cases = _reductions(0)[:count]
+    alone = [tiling.sum_partials(part, dtypes) for part, dtypes in cases]
+    launched = []
+    real = tiling._sum_segments
+    monkeypatch.setattr(tiling, "_sum_segments", lambda segments: (launched.append(len(segments)), real(segments)))
+    with tiling.deferred_sums():
+        together = [tiling.sum_partials(part, dtypes) for part, dtypes in cases]
+        assert launched == []  # queued, not launched
+        for outs in together:
+            for out in outs:
+                out.fill_(float("nan"))  # unwritten until the block ends: the kernel overwrites every element
+    assert launched == [min(count, 5)] + ([count - 5] if count > 5 else [])
+    for (part, dtypes), want, got in zip(cases, alone, together):
+        for w, g in zip(want, got):
+            assert g.dtype == w.dtype and torch.equal(g, w), (tuple(part.shape), dtypes)
+
+
+def test_deferred_sums_launch_nothing_on_an_exception_and_nest(monkeypatch):
+    launched = []
+    monkeypatch.setattr(tiling, "_sum_segments", lambda segments: launched.append(len(segments)))
+    part = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="inside"):
+        with tiling.deferred_sums():
+            tiling.sum_partials(part, [torch.float32])
+            raise RuntimeError("inside")
+    assert launched == [] and tiling._deferred.queue is None
+    with tiling.deferred_sums():
+        tiling.sum_partials(part, [torch.float32])
+        with tiling.deferred_sums():  # an inner block flushes its own queue at its end
+            tiling.sum_partials(part, [torch.float32])
+            tiling.sum_partials(part, [torch.float32])
+        assert launched == [2]
+    assert launched == [2, 1] and tiling._deferred.queue is None
+
+
+def test_immediate_sums_inside_deferred_sums_launch_at_once(monkeypatch):
+    """Code that reads its sums before returning them (Triton's interpreter casting bf16 attention's
+    fp32 bias gradient) runs them at once inside a deferred block; the rest still waits."""
+    part = torch.randn(6, 40)
+    want = tiling.sum_partials(part, [torch.float32])[0]
+    with tiling.deferred_sums():
+        late = tiling.sum_partials(part, [torch.float32])[0].fill_(float("nan"))
+        with tiling.immediate_sums():
+            now = tiling.sum_partials(part, [torch.float32])[0]
+        assert torch.equal(now, want)  # written before the deferred block ends
+        assert bool(late.isnan().all())
+    assert torch.equal(late, want)

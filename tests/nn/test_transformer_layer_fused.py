@@ -84,6 +84,135 @@ def test_one_node_equals_module_path_triton_interpreter():
     assert _is_one_node(_assert_same(one, mod))
 
 
+ROPE_CASES = {
+    "gpt-rope": {},
+    "llama-gqa-bshd-rope-half": {"normalization": "RMSNorm", "activation": "swiglu", "bias": False,
+                                 "num_gqa_groups": 2, "attn_input_format": "bshd"},
+    "rope-interleaved-no-mask": {"self_attn_mask_type": "no_mask"},
+}
+
+
+def _backends(triton_default: str, names) -> list:
+    """(name, backend) cases: the torch backend for every name; the Triton interpreter (seconds per
+    case) for ``triton_default`` in the default suite and for the others under ``-m slow``."""
+    cases = [pytest.param(name, "torch", id=f"{name}-torch") for name in names]
+    cases += [pytest.param(name, "triton", id=f"{name}-triton",
+                           marks=() if name == triton_default else pytest.mark.slow) for name in names]
+    return cases
+
+
+@pytest.mark.parametrize("name,backend", _backends("llama-gqa-bshd-rope-half", ROPE_CASES))
+def test_one_node_with_rope_equals_module_path(backend, name):
+    """RoPE (one table for queries and keys, TE's angle tensor or (cos, sin) tables): the one-node
+    path runs the module path's packed RoPE (the QKV GEMM adds the bias, the attention op rotates
+    q and k): the same values bit for bit, every gradient, and the same bytes saved."""
+    one, mod = _pair(backend=backend, **ROPE_CASES[name])
+    interleaved = name.startswith("rope-interleaved")
+    for layer in (one, mod):
+        layer.self_attention.rotary_pos_interleaved = interleaved
+    rope = tachyon.nn.RotaryPositionEmbedding(HIDDEN // HEADS, rotary_percent=0.5 if "half" in name else 1.0,
+                                              interleaved=interleaved)
+    emb = rope(SEQ + 3)  # longer than the sequence: the tables take its first SEQ positions
+    if name == "llama-gqa-bshd-rope-half":
+        emb = rope.cos_sin(SEQ)  # (cos, sin) tables
+    x = torch.randn(SEQ, BATCH, HIDDEN) if one.attn_input_format == "sbhd" else torch.randn(BATCH, SEQ, HIDDEN)
+    x.requires_grad_()
+    saved = [saved_tensor_bytes(lambda layer=layer: layer(x, rotary_pos_emb=emb), exclude=layer.parameters())[1]
+             for layer in (one, mod)]
+    assert saved[0] == saved[1], f"saved for backward: one node {saved[0]} bytes, module path {saved[1]}"
+    assert _is_one_node(_assert_same(one, mod, steps=2 if backend == "torch" else 1, rotary_pos_emb=emb))
+
+
+def _padding(sbhd_batch: int = BATCH) -> torch.Tensor:
+    mask = torch.zeros(sbhd_batch, 1, 1, SEQ, dtype=torch.bool)  # TE's mask: True = padded
+    mask[1, ..., 5:] = True
+    return mask
+
+
+PADDING_CASES = {
+    "padding-sbhd": ({"self_attn_mask_type": "padding"}, {}),
+    "padding-causal-gqa-bshd-rmsnorm": ({"self_attn_mask_type": "padding_causal", "num_gqa_groups": 2,
+                                         "attn_input_format": "bshd", "normalization": "RMSNorm",
+                                         "activation": "swiglu", "bias": False}, {}),
+    "padding-per-call-with-rope": ({}, {"self_attn_mask_type": "padding", "rope": True}),
+    "padding-query-key-pair": ({"self_attn_mask_type": "padding", "hidden_dropout": 0.0}, {"pair": True}),
+}
+
+
+@pytest.mark.parametrize("name,backend", _backends("padding-per-call-with-rope", PADDING_CASES))
+def test_one_node_with_padding_masks_equals_module_path(backend, name):
+    """Padding masks (TE's [b, 1, 1, s] bool mask, or a (query mask, key mask) pair; the mask type
+    from the layer or from the call, with and without causal, with RoPE): the module path's values
+    bit for bit (the padded queries' context rows zeroed before the projection) and its saved bytes."""
+    layer_kwargs, call = PADDING_CASES[name]
+    one, mod = _pair(backend=backend, **layer_kwargs)
+    mask = _padding()
+    if call.get("pair"):
+        key = mask.clone()
+        key[0, ..., 6:] = True
+        mask = (mask, key)
+    kwargs = {"attention_mask": mask}
+    if "self_attn_mask_type" in call:
+        kwargs["self_attn_mask_type"] = call["self_attn_mask_type"]
+    if call.get("rope"):
+        kwargs["rotary_pos_emb"] = tachyon.nn.RotaryPositionEmbedding(HIDDEN // HEADS)(SEQ)
+    x = torch.randn(SEQ, BATCH, HIDDEN) if one.attn_input_format == "sbhd" else torch.randn(BATCH, SEQ, HIDDEN)
+    x.requires_grad_()
+    saved = [saved_tensor_bytes(lambda layer=layer: layer(x, **kwargs), exclude=layer.parameters())[1]
+             for layer in (one, mod)]
+    assert saved[0] == saved[1], f"saved for backward: one node {saved[0]} bytes, module path {saved[1]}"
+    assert _is_one_node(_assert_same(one, mod, steps=2 if backend == "torch" else 1, **kwargs))
+
+
+def test_masks_the_module_path_refuses_are_refused_the_same_way():
+    one, _ = _pair(backend="torch", self_attn_mask_type="padding")
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    with pytest.raises(ValueError, match="needs attention_mask"):
+        one(x)
+    causal, _ = _pair(backend="torch")  # a mask with a mask type that reads none
+    with pytest.raises(ValueError, match="only used with attn_mask_type 'padding'"):
+        causal(x, attention_mask=_padding())
+
+
+class _Autocast(torch.nn.Module):
+    """The layer's forward under torch.autocast (CPU, bf16): fp32 parameters, bf16 compute."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.layer(x, **kwargs)
+
+
+@pytest.mark.parametrize("name,backend", [("gpt", "torch"), ("llama-gqa-bshd", "torch"), ("gpt", "triton")])
+def test_one_node_under_autocast_equals_module_path(name, backend):
+    """fp32 parameters under torch.autocast(bf16): the one-node path casts them as the module path
+    does (graph nodes whose backward casts the gradients back to fp32) and computes in bf16: the
+    module path's values and fp32 gradients bit for bit."""
+    kwargs = {"gpt": {}, "llama-gqa-bshd": CASES[1]}[name]
+    one, mod = _pair(backend=backend, **kwargs)
+    a, b = _Autocast(one), _Autocast(mod)
+    a.attn_input_format = b.attn_input_format = one.attn_input_format
+    assert _is_one_node(_assert_same(a, b, steps=2 if backend == "torch" else 1))
+    x = torch.randn(SEQ, BATCH, HIDDEN) if one.attn_input_format == "sbhd" else torch.randn(BATCH, SEQ, HIDDEN)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = one(x.requires_grad_())
+    assert out.dtype == torch.bfloat16 and _is_one_node(out.grad_fn)
+    out.float().sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in one.parameters())
+
+
+def test_rope_with_separate_query_and_key_angles_takes_the_module_path():
+    one, mod = _pair(backend="torch")
+    rope = tachyon.nn.RotaryPositionEmbedding(HIDDEN // HEADS)
+    emb = (rope(SEQ), rope(SEQ, offset=2))  # TE's (query, key) angles: the module path's unpacked RoPE
+    assert not _is_one_node(_assert_same(one, mod, rotary_pos_emb=emb))
+    with pytest.raises(ValueError, match="covers 4 positions"):  # the module path's error, not a one-node one
+        one(torch.randn(SEQ, BATCH, HIDDEN), rotary_pos_emb=rope(4))
+
+
 def test_one_node_eval_and_no_grad_and_frozen_params():
     one, mod = _pair(backend="torch")
     x = torch.randn(SEQ, BATCH, HIDDEN)
@@ -99,17 +228,14 @@ def test_one_node_eval_and_no_grad_and_frozen_params():
 
 
 def test_other_configurations_take_the_module_path():
-    """Padding masks, RoPE, post-LN, decoders, FP8, forward hooks and subclasses run through the
-    submodules (the one-node path does not cover them); the values stay the module path's."""
+    """Separate query and key RoPE angles, post-LN, decoders, FP8, forward hooks and subclasses run
+    through the submodules (the one-node path does not cover them); the values stay the module path's."""
     x = torch.randn(SEQ, BATCH, HIDDEN)
-    mask = torch.zeros(BATCH, 1, 1, SEQ, dtype=torch.bool)
-    mask[1, ..., 5:] = True
-    one, _ = _pair(backend="torch", self_attn_mask_type="padding")
-    assert not _is_one_node(one(x, attention_mask=mask).grad_fn)
     one, _ = _pair(backend="torch", apply_residual_connection_post_layernorm=True)
     assert not _is_one_node(one(x).grad_fn)
     one, _ = _pair(backend="torch")
-    assert not _is_one_node(one(x, rotary_pos_emb=tachyon.nn.RotaryPositionEmbedding(HIDDEN // HEADS)(SEQ)).grad_fn)
+    rope = tachyon.nn.RotaryPositionEmbedding(HIDDEN // HEADS)
+    assert not _is_one_node(one(x, rotary_pos_emb=(rope(SEQ), rope(SEQ, offset=1))).grad_fn)  # (query, key) angles
     handle = one.layernorm_mlp.register_forward_hook(lambda module, args, out: None)
     assert not _is_one_node(one(x).grad_fn)
     handle.remove()

@@ -10,12 +10,16 @@ The backward kernels of kernels/layernorm and kernels/dropout keep the same layo
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
 
+from tachyon.backend import triton_interpreting
 from tachyon.kernels.ints import cdiv, next_power_of_2
 from tachyon.kernels.launch import fast_launch
 
@@ -105,14 +109,10 @@ def row_split(m: int, block_m: int, col_blocks: int, device: torch.device) -> tu
     return cdiv(m, rows_per_program), rows_per_program
 
 
-@fast_launch
 @triton.jit
-def _sum_partials_kernel(
-    PART, OUT0, OUT1, OUT2, P, N, stride_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # program (column block, group): the sum over all P rows of one group's BLOCK_N columns
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    g = tl.program_id(1)
+def _sum_columns(PART, OUT0, OUT1, OUT2, P, N, stride_p, col_block, g, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The sum over all P rows of group g's BLOCK_N columns of column block ``col_block``, stored in OUT<g>."""
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
@@ -126,6 +126,53 @@ def _sum_partials_kernel(
         tl.store(OUT1 + cols, total.to(OUT1.dtype.element_ty), mask=col_ok)
     else:
         tl.store(OUT2 + cols, total.to(OUT2.dtype.element_ty), mask=col_ok)
+
+
+@fast_launch
+@triton.jit
+def _sum_partials_kernel(
+    PART, OUT0, OUT1, OUT2, P, N, stride_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # program (column block, group)
+    _sum_columns(PART, OUT0, OUT1, OUT2, P, N, stride_p, tl.program_id(0), tl.program_id(1), BLOCK_P, BLOCK_N)
+
+
+@triton.jit
+def _segment(PART, OUT0, OUT1, OUT2, P, N, stride_p, local, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    # the segment's programs in _sum_partials_kernel's grid order: column blocks, then groups
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    _sum_columns(PART, OUT0, OUT1, OUT2, P, N, stride_p, local % col_blocks, local // col_blocks, BLOCK_P, BLOCK_N)
+
+
+@fast_launch
+@triton.jit
+def _sum_segments_kernel(
+    A_PART, A_OUT0, A_OUT1, A_OUT2, A_P, A_N, A_S, A_END,
+    B_PART, B_OUT0, B_OUT1, B_OUT2, B_P, B_N, B_S, B_END,
+    C_PART, C_OUT0, C_OUT1, C_OUT2, C_P, C_N, C_S, C_END,
+    D_PART, D_OUT0, D_OUT1, D_OUT2, D_P, D_N, D_S, D_END,
+    E_PART, E_OUT0, E_OUT1, E_OUT2, E_P, E_N, E_S,
+    SEGMENTS: tl.constexpr,
+    A_BP: tl.constexpr, A_BN: tl.constexpr, B_BP: tl.constexpr, B_BN: tl.constexpr, C_BP: tl.constexpr,
+    C_BN: tl.constexpr, D_BP: tl.constexpr, D_BN: tl.constexpr, E_BP: tl.constexpr, E_BN: tl.constexpr,
+):
+    # up to five sum_partials reductions in one grid: segment k owns programs [END of k - 1, END of k),
+    # each computing what its own _sum_partials_kernel program would (the same code: the same bits)
+    pid = tl.program_id(0)
+    if pid < A_END:
+        _segment(A_PART, A_OUT0, A_OUT1, A_OUT2, A_P, A_N, A_S, pid, A_BP, A_BN)
+    if SEGMENTS > 1:
+        if (pid >= A_END) & (pid < B_END):
+            _segment(B_PART, B_OUT0, B_OUT1, B_OUT2, B_P, B_N, B_S, pid - A_END, B_BP, B_BN)
+    if SEGMENTS > 2:
+        if (pid >= B_END) & (pid < C_END):
+            _segment(C_PART, C_OUT0, C_OUT1, C_OUT2, C_P, C_N, C_S, pid - B_END, C_BP, C_BN)
+    if SEGMENTS > 3:
+        if (pid >= C_END) & (pid < D_END):
+            _segment(D_PART, D_OUT0, D_OUT1, D_OUT2, D_P, D_N, D_S, pid - C_END, D_BP, D_BN)
+    if SEGMENTS > 4:
+        if pid >= D_END:
+            _segment(E_PART, E_OUT0, E_OUT1, E_OUT2, E_P, E_N, E_S, pid - D_END, E_BP, E_BN)
 
 
 def sum_block_n(n: int, groups: int, device: torch.device) -> int:
@@ -156,7 +203,8 @@ def _sum_geometry(p: int, n: int, groups: int, sms: int | None) -> tuple[tuple[i
 def sum_partials(part: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
     """Column sums of each group of ``part`` (fp32 [P, G * n], see :func:`partials`) over its P
     rows, in fp32 and stored in ``dtypes[g]``: G tensors [n] from ONE launch (summing each group
-    with torch would be a launch per group, plus one per cast). Deterministic (a fixed order)."""
+    with torch would be a launch per group, plus one per cast). Deterministic (a fixed order).
+    Inside :func:`deferred_sums` the outputs are returned unwritten and the reduction is queued."""
     groups = len(dtypes)
     p, width = part.shape if part.dim() == 2 else (0, -1)
     if not 1 <= groups <= 3 or width < 0 or width % groups:
@@ -167,8 +215,74 @@ def sum_partials(part: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Te
         return outs
     grid, block_p, block_n = _sum_geometry(p, n, groups, gpu_sms(device))
     out0 = outs[0]
-    _sum_partials_kernel[grid](
-        part, out0, outs[1] if groups > 1 else out0, outs[2] if groups > 2 else out0, p, n, part.stride(0),
-        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
-    )
+    args = (part, out0, outs[1] if groups > 1 else out0, outs[2] if groups > 2 else out0, p, n, part.stride(0))
+    queue = _deferred.queue
+    if queue is not None:
+        queue.append((args, grid, block_p, block_n))
+        if triton_interpreting():  # tests: a read before the block ends sees NaN, not stale memory
+            for out in outs:
+                out.fill_(float("nan"))
+        return outs
+    _sum_partials_kernel[grid](*args, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4)
     return outs
+
+
+class _Deferred(threading.local):
+    queue: list | None = None  # the reductions queued by sum_partials inside deferred_sums, else None
+
+
+_deferred = _Deferred()
+MAX_SEGMENTS = 5  # reductions per _sum_segments_kernel launch
+
+
+@contextlib.contextmanager
+def deferred_sums() -> Iterator[None]:
+    """Within (this thread): :func:`sum_partials` returns its outputs unwritten and queues the
+    reduction; leaving the block normally launches the queued reductions together, up to
+    MAX_SEGMENTS per launch (one launch where a backward made several, each output's values the
+    same bits as its own launch would give). Code inside must not read those outputs before the
+    block ends (a layer's backward that only returns its bias and norm-weight gradients); code that
+    does reads them inside :func:`immediate_sums`. On an exception nothing is launched."""
+    outer = _deferred.queue
+    queue: list = []
+    _deferred.queue = queue
+    try:
+        yield
+    finally:
+        _deferred.queue = outer
+    # only reached without an exception
+    for start in range(0, len(queue), MAX_SEGMENTS):
+        _sum_segments(queue[start:start + MAX_SEGMENTS])
+
+
+@contextlib.contextmanager
+def immediate_sums() -> Iterator[None]:
+    """Within (this thread): :func:`sum_partials` launches at once even inside :func:`deferred_sums`,
+    for code that reads the sums it gets (e.g. casts them) before returning them."""
+    outer = _deferred.queue
+    _deferred.queue = None
+    try:
+        yield
+    finally:
+        _deferred.queue = outer
+
+
+def _sum_segments(segments: list) -> None:
+    """Launch queued reductions ((kernel arguments, grid, BLOCK_P, BLOCK_N) each) in one grid."""
+    if len(segments) == 1:
+        args, grid, block_p, block_n = segments[0]
+        _sum_partials_kernel[grid](*args, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4)
+        return
+    flat, blocks, end = [], {}, 0
+    for k, (args, grid, block_p, block_n) in enumerate(segments):
+        end += grid[0] * grid[1]
+        flat += args
+        if k < MAX_SEGMENTS - 1:
+            flat.append(end)
+        blocks[f"{'ABCDE'[k]}_BP"], blocks[f"{'ABCDE'[k]}_BN"] = block_p, block_n
+    for k in range(len(segments), MAX_SEGMENTS):  # unused segments: never reached (SEGMENTS), any valid tensors
+        flat += segments[0][0]
+        if k < MAX_SEGMENTS - 1:
+            flat.append(end)
+        blocks[f"{'ABCDE'[k]}_BP"], blocks[f"{'ABCDE'[k]}_BN"] = 1, 1
+    _sum_segments_kernel[(end,)](*flat, SEGMENTS=len(segments), **blocks, num_warps=4)

@@ -13,9 +13,12 @@ path's, bit for bit, and the same tensors are saved (tests/nn/test_transformer_l
 
 It runs where the module path would run exactly these ops: an encoder layer, pre-LN
 (``output_layernorm=False``, ``apply_residual_connection_post_layernorm=False``), no progressive
-layer drop, no RoPE, a "causal" or "no_mask" attention without a mask, no FP8 (outside an enabled
-``fp8_autocast``, GEMMs that never ran in FP8), no zero-centered gamma, the params' dtype (no
-torch.autocast), the Triton kernel for the input norm (not its torch twin, which ``backend="auto"``
+layer drop, RoPE with one table for queries and keys (then, as on the module path, the QKV GEMM
+adds its bias and the attention op rotates q and k) or none, any self-attention mask type
+("causal", "no_mask", "padding", "padding_causal" with TE's [b, 1, 1, s] mask or a (query, key)
+pair; padded query rows of the context zeroed, as the module path does), no FP8 (outside an enabled
+``fp8_autocast``, GEMMs that never ran in FP8), no zero-centered gamma, the params' dtype (or
+torch.autocast's, to which run() casts them first as the module path casts them), the Triton kernel for the input norm (not its torch twin, which ``backend="auto"``
 picks on CUDA where measured faster), the modules' own classes without hooks or replaced
 forwards, plain tensors outside torch.compile / dispatch modes / functorch. Anything else takes
 the module path, which stays what torch.compile traces.
@@ -34,7 +37,7 @@ from tachyon.backend import auto_on_cuda, resolve
 from tachyon.fp8.linear import runs_high_precision
 from tachyon.kernels import dispatch
 from tachyon.kernels.attention.op import MAX_TRITON_HEAD_DIM
-from tachyon.kernels.attention.reference import default_scale
+from tachyon.kernels.attention.reference import default_scale, masked_bias
 from tachyon.kernels.common import SUPPORTED_DTYPES
 from tachyon.kernels.dropout.op import MAX_TRITON_N as MAX_BDAN_N
 from tachyon.kernels.dropout.op import _bda_fwd, _bdan_bwd, _bdan_fwd, _dropout_bwd
@@ -43,10 +46,12 @@ from tachyon.kernels.layernorm.op import _norm_bwd, _norm_fwd, _twin_applies
 from tachyon.kernels.linear.mlp import _gemm_act_grad, _gemm_bias_act, gemm_backend
 from tachyon.kernels.attention.packed import _packed_bwd, _packed_fwd
 from tachyon.kernels.registry import eager_call
-from tachyon.nn.attention import DotProductAttention, MultiheadAttention
+from tachyon.kernels.tiling import deferred_sums
+from tachyon.nn.attention import ATTN_MASK_TYPES, DotProductAttention, MultiheadAttention
 from tachyon.nn.layernorm_linear import LayerNormLinear
 from tachyon.nn.layernorm_mlp import _KERNEL_NAME, LayerNormMLP
 from tachyon.nn.linear import Linear
+from tachyon.nn.rope import rotary_tables
 
 _is_compiling = torch.compiler.is_compiling
 _norm_fwd_impl, _norm_bwd_impl = _norm_fwd.impl, _norm_bwd.impl
@@ -78,6 +83,12 @@ class Plan(NamedTuple):
     be_mlp: str
     be_bda: str
     norm_twin: bool  # the input LayerNorm runs as torch's op (backend "auto" on CUDA, tachyon.kernels.dispatch)
+    rope_cos: Tensor | None  # RoPE tables fp32 [seq, rotary_dim] on x's device (None: no RoPE)
+    rope_sin: Tensor | None
+    rope_interleaved: bool
+    pad_bias: Tensor | None  # padding masks: the key padding bias fp32 [b, s] (-inf where padded), as the op takes it
+    q_masked: Tensor | None  # and the padded queries, bool [s, b, 1] (sbhd) / [b, s, 1]: their context rows are 0
+    cast: bool  # the parameters are cast to x's dtype first (torch.autocast), as the module path casts them
 
 
 def _plain_module(module: torch.nn.Module, cls: type) -> bool:
@@ -96,7 +107,7 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
         return None
     if (scale != 1.0 or layer.layer_type != "encoder" or layer.output_layernorm
             or layer.apply_residual_connection_post_layernorm or layer.zero_centered_gamma
-            or rotary_pos_emb is not None or attention_mask is not None or encoder_output is not None):
+            or encoder_output is not None):
         return None
     if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
         return None  # the module path raises
@@ -115,8 +126,8 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
             and not mlp.zero_centered_gamma and core.training == training):
         return None
     mask_type = core.attn_mask_type if self_attn_mask_type is None else self_attn_mask_type
-    if mask_type not in ("causal", "no_mask"):
-        return None  # padding masks (and invalid names, which the module path refuses) take the module path
+    if mask_type not in ATTN_MASK_TYPES:
+        return None  # the module path refuses it
     activation = _KERNEL_NAME.get(mlp.activation)
     if activation is None or qkv.normalization != mlp.normalization or qkv.normalization != layer.normalization:
         return None
@@ -130,9 +141,14 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
     if not eager_call((x, *params)):
         return None
     n = x.shape[-1]
-    for p in params:  # the module path's casts to the compute dtype would add graph nodes; its checks, errors
+    # parameters in another dtype: under torch.autocast the module path casts each to the autocast
+    # dtype (``.to``, one graph node each); run() does the same casts, then the one node
+    cast = False
+    for p in params:
         if p is not None and (p.dtype != dtype or p.device != x.device):
-            return None
+            if p.device != x.device or not p.is_floating_point() or not _autocast_to(x, dtype):
+                return None  # the module path's checks and errors
+            cast = True
     rms = qkv.normalization == "RMSNorm"
     ln_w, ln_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b = params
     h, g, d = core.num_attention_heads, core.num_gqa_groups, core.kv_channels
@@ -149,17 +165,44 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
     if (be_norm == "triton" and n > MAX_NORM_N) or (be_bdan == "triton" and n > MAX_BDAN_N) or (
             be_attn == "triton" and d > MAX_TRITON_HEAD_DIM):
         return None  # the module path raises
-    norm_twin = be_norm == "triton" and auto_on_cuda(x, qkv.backend) and _twin_applies(x, ln_w, ln_b, None) and (
+    causal, pad_bias, q_masked = mask_type == "causal", None, None
+    if mask_type.startswith("padding") or attention_mask is not None:  # as the module path's attention reads it
+        seq, batch = (x.shape[0], x.shape[1]) if core.qkv_format == "sbhd" else (x.shape[1], x.shape[0])
+        try:
+            causal, pad_bias, q_masked = core._mask_args(attention_mask, mask_type, batch, seq, seq, x.device)
+        except ValueError:
+            return None  # the module path raises
+        pad_bias = masked_bias(pad_bias)
+        q_masked = (q_masked.t() if core.qkv_format == "sbhd" else q_masked)[:, :, None]  # against the context
+    cos = sin = None
+    if rotary_pos_emb is not None:  # the module path's packed RoPE: one table for q and k, checked as it checks
+        try:
+            q_tab, k_tab = rotary_tables(rotary_pos_emb, x.shape[0 if core.qkv_format == "sbhd" else 1])
+        except ValueError:
+            return None  # the module path raises
+        r = q_tab.cos.shape[1]
+        if k_tab is not q_tab or r == 0 or r % 2 or r > d:
+            return None  # separate query and key angles (the module path's unpacked RoPE), or its error
+        cos, sin = q_tab.cos.to(x.device), q_tab.sin.to(x.device)
+    norm_twin = be_norm == "triton" and auto_on_cuda(x, qkv.backend) and (cast or _twin_applies(x, ln_w, ln_b, None)) and (
         dispatch.choose("rms_norm" if rms else "layer_norm", x, dispatch.norm_class(n),
                         dispatch.needs_backward(x, ln_w, ln_b)) == dispatch.TWIN)
-    if norm_twin and rms:
-        return None  # torch's RMSNorm there: the module path
+    if norm_twin and (rms or cast):
+        return None  # torch's RMSNorm there, or torch's norm under autocast (its fp32 policy): the module path
     return Plan(
-        tuple(x.shape), rms, float(qkv.eps), float(mlp.eps), h, g, core.qkv_format == "sbhd", mask_type == "causal",
+        tuple(x.shape), rms, float(qkv.eps), float(mlp.eps), h, g, core.qkv_format == "sbhd", causal,
         float(core.attention_dropout) if training else 0.0, float(layer.hidden_dropout) if training else 0.0,
         default_scale(d, core.softmax_scale), core.one_kernel_backward, activation, be_norm, be_attn, be_bdan,
-        gemm_backend(x, mlp.backend, fc2_w.shape[1], *params), be_bdan, norm_twin,
+        gemm_backend(x, mlp.backend, fc2_w.shape[1], *params), be_bdan, norm_twin, cos, sin,
+        attn.rotary_pos_interleaved, pad_bias, q_masked, cast,
     )
+
+
+def _autocast_to(x: Tensor, dtype: torch.dtype) -> bool:
+    """torch.autocast is on for x's device and casts to ``dtype`` (what the module path computes in)."""
+    device_type = x.device.type
+    return (device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
+            and torch.get_autocast_dtype(device_type) == dtype)
 
 
 def _params(layer) -> tuple[Tensor | None, ...]:
@@ -188,10 +231,21 @@ def forward(plan: Plan, x: Tensor, seeds, params, save: bool):
         y0 = y0.view(-1, n)
     else:
         y0, _, mean0, rstd0 = _norm_fwd_impl(x2, ln_w, ln_b, None, plan.eps1, plan.rms, False, plan.be_norm)
-    qkv = F.linear(y0, qkv_w).view(shape[0], shape[1], -1)  # the bias is added by the attention kernels
-    ctx, lse, _ = _packed_fwd_impl(qkv, qkv_b, None, plan.heads, plan.kv_heads, plan.sbhd, plan.causal, plan.p_attn, 0,
-                                   s_attn, plan.softmax_scale, True, plan.one_kernel, None, None, False, plan.be_attn)
-    ctx2 = ctx.view(-1, ctx.shape[-1])
+    rope = plan.rope_cos is not None
+    if rope:  # as the module path: the GEMM adds the bias, the attention op rotates q and k (kept: qk_rot)
+        qkv = F.linear(y0, qkv_w, qkv_b).view(shape[0], shape[1], -1)
+        ctx, lse, qk_rot = _packed_fwd_impl(qkv, None, plan.pad_bias, plan.heads, plan.kv_heads, plan.sbhd, plan.causal,
+                                            plan.p_attn, 0, s_attn, plan.softmax_scale, True, plan.one_kernel,
+                                            plan.rope_cos, plan.rope_sin, plan.rope_interleaved, plan.be_attn)
+    else:
+        qkv = F.linear(y0, qkv_w).view(shape[0], shape[1], -1)  # the bias is added by the attention kernels
+        ctx, lse, _ = _packed_fwd_impl(qkv, qkv_b, plan.pad_bias, plan.heads, plan.kv_heads, plan.sbhd, plan.causal,
+                                       plan.p_attn, 0, s_attn, plan.softmax_scale, True, plan.one_kernel, None, None,
+                                       False, plan.be_attn)
+        qk_rot = None
+    # padded queries: their context rows set to 0 before the projection (the module path's masked_fill)
+    ctx_in = ctx if plan.q_masked is None else ctx.masked_fill(plan.q_masked, 0.0)
+    ctx2 = ctx_in.view(-1, ctx.shape[-1])
     a = F.linear(ctx2, proj_w)
     # h = x + dropout(a + proj_b), y1 = norm2(h): one kernel
     y1, z1, mean1, rstd1 = _bdan_fwd_impl(a, proj_b, x2, ln2_w, ln2_b, plan.eps2, plan.p_hidden, 0, s1, plan.rms, False,
@@ -203,7 +257,10 @@ def forward(plan: Plan, x: Tensor, seeds, params, save: bool):
         return out.view(*shape), None
     mean0 = None if plan.rms else mean0
     mean1 = None if plan.rms else mean1
-    return out.view(*shape), (x if plan.norm_twin else x2, mean0, rstd0, y0, qkv, ctx, lse, z1, mean1, rstd1, y1, pre, act)
+    # the RoPE tables, the padding bias and mask as the module path's ops save them (the plan holds them too)
+    return out.view(*shape), (x if plan.norm_twin else x2, mean0, rstd0, y0, qkv, ctx, lse, qk_rot, plan.rope_cos,
+                              plan.rope_sin, plan.pad_bias, plan.q_masked, None if ctx_in is ctx else ctx_in, z1,
+                              mean1, rstd1, y1, pre, act)
 
 
 def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs, biases):
@@ -213,7 +270,8 @@ def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs, biases):
     (proj_b's dtype or None, whether fc1_b exists, fc2_b's dtype or None)."""
     ln_w, ln_b, qkv_w, qkv_b, proj_w, _, ln2_w, ln2_b, fc1_w, _, fc2_w, _ = params
     proj_bd, has_fc1_b, fc2_bd = biases
-    x2, mean0, rstd0, y0, qkv, ctx, lse, z1, mean1, rstd1, y1, pre, act = saved
+    (x2, mean0, rstd0, y0, qkv, ctx, lse, qk_rot, rope_cos, rope_sin, pad_bias, q_masked, ctx_in, z1, mean1, rstd1, y1,
+     pre, act) = saved
     s_attn, s1, s2 = seeds
     p = plan.p_hidden
     d = dout.reshape(-1, dout.shape[-1])
@@ -236,11 +294,18 @@ def backward(plan: Plan, dout: Tensor, seeds, params, saved, needs, biases):
         proj_bd is not None, proj_bd or dy1.dtype, True, plan.be_bdan)
     dx_branch = dres if p > 0 else da
     dctx = da.mm(proj_w)
-    d_proj_w = da.t().mm(ctx.view(-1, ctx.shape[-1])) if needs[5] else None
-    dqkv, d_qkv_b = _packed_bwd_impl(dctx.view(*ctx.shape), qkv, qkv_b, ctx, lse, None, plan.heads, plan.kv_heads,
-                                     plan.sbhd, plan.causal, plan.p_attn, 0, s_attn, plan.softmax_scale, True,
-                                     plan.one_kernel, None, None, None, False, plan.be_attn)
+    ctx_in = ctx if ctx_in is None else ctx_in  # the projection's input (padded query rows zeroed)
+    d_proj_w = da.t().mm(ctx_in.view(-1, ctx.shape[-1])) if needs[5] else None
+    if q_masked is not None:  # masked_fill's backward
+        dctx = dctx.view(*ctx.shape).masked_fill(q_masked, 0.0)
+    rope = plan.rope_cos is not None
+    dqkv, d_qkv_b = _packed_bwd_impl(dctx.view(*ctx.shape), qkv, None if rope else qkv_b, ctx, lse, pad_bias, plan.heads,
+                                     plan.kv_heads, plan.sbhd, plan.causal, plan.p_attn, 0, s_attn, plan.softmax_scale,
+                                     True, plan.one_kernel, qk_rot, rope_cos, rope_sin, plan.rope_interleaved,
+                                     plan.be_attn)
     dqkv2 = dqkv.view(-1, dqkv.shape[-1])
+    if rope and qkv_b is not None:  # the GEMM's bias, as autograd sums a broadcast bias's gradient
+        d_qkv_b = dqkv2.sum(0)
     dy0 = dqkv2.mm(qkv_w)
     d_qkv_w = dqkv2.t().mm(y0) if needs[3] else None
     if plan.norm_twin:  # x's two gradients summed as autograd sums them
@@ -273,7 +338,10 @@ class TransformerLayerFunction(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         s_attn, s1, s2, *rest = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        grads = backward(ctx.plan, dout, (s_attn, s1, s2), rest[:12], rest[12:], (needs[1], *needs[5:]), ctx.biases)
+        # the five partial-sum reductions (bias and norm-weight gradients, only returned) in one launch
+        with deferred_sums():
+            grads = backward(ctx.plan, dout, (s_attn, s1, s2), rest[:12], rest[12:], (needs[1], *needs[5:]),
+                             ctx.biases)
         return (None, grads[0], None, None, None, *grads[1:])
 
 
@@ -286,6 +354,9 @@ def run(layer, plan: Plan, x: Tensor, seeds) -> Tensor:
     """The layer's output through one autograd node (or, without a gradient to compute, the same
     forward without saving)."""
     params = _params(layer)
+    if plan.cast:  # torch.autocast: the module path's .to(compute dtype) of each parameter, as graph nodes
+        dtype = x.dtype
+        params = tuple(p.to(dtype) if p is not None else None for p in params)
     s_attn = seeds[0] if plan.p_attn > 0 else None
     s1, s2 = (seeds[1], seeds[2]) if plan.p_hidden > 0 else (None, None)
     if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params)):

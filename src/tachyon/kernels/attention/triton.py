@@ -58,7 +58,7 @@ import triton.language as tl
 from tachyon.backend import triton_interpreting
 from tachyon.kernels.random.reference import dropout_threshold
 from tachyon.kernels.random.triton import keep_tile, load_seed, seed_args
-from tachyon.kernels.tiling import partials, sum_partials
+from tachyon.kernels.tiling import immediate_sums, partials, sum_partials
 from tachyon.kernels.ints import cdiv, next_power_of_2
 from tachyon.kernels.launch import fast_launch
 
@@ -656,10 +656,11 @@ def attention_bwd(
     same values bit for bit as the two kernels: one launch and delta's write and read fewer, O
     read once per (query block, key block) pair by the dK/dV loop."""
     if _interpreted_bf16(q):
-        *grads32, db32 = attention_bwd(
-            dout.float(), q.float(), k.float(), v.float(), out.float(), lse, bias, causal, dropout_p, seed,
-            softmax_scale, None, qkv_bias.float() if qkv_bias is not None else None, deterministic,
-            **({"one_kernel": True} if one_kernel else {}))
+        with immediate_sums():  # db32 is read (cast) right here: its reduction cannot wait for a deferred_sums block
+            *grads32, db32 = attention_bwd(
+                dout.float(), q.float(), k.float(), v.float(), out.float(), lse, bias, causal, dropout_p, seed,
+                softmax_scale, None, qkv_bias.float() if qkv_bias is not None else None, deterministic,
+                **({"one_kernel": True} if one_kernel else {}))
         db = db32.to(qkv_bias.dtype) if db32 is not None else None
         if grads is None:
             return (*(g.to(q.dtype) for g in grads32), db)

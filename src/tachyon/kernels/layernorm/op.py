@@ -14,7 +14,6 @@ residual) and the fp32 row statistics, or with ``invertible=True`` the output y 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from tachyon.backend import auto_on_cuda, resolve
@@ -26,6 +25,8 @@ from tachyon.kernels.registry import fused_op
 _triton = lazy_module("tachyon.kernels.layernorm.triton")  # imported on first use (it imports Triton)
 
 MAX_TRITON_N = 65536  # one row is one Triton block
+_PLAIN = (Tensor, torch.nn.Parameter)
+_cudnn_enabled = torch._C._get_cudnn_enabled  # what torch.backends.cudnn.enabled reads  # other tensor types take the detailed checks (which accept subclasses)
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -145,14 +146,14 @@ def _torch_twin(x, weight, bias, residual, eps, is_rms, return_residual):
     torch's kernel, autograd's backward. ``invertible`` has no effect here (torch saves the input)."""
     z = x if residual is None else x + residual
     shape = (x.shape[-1],)
-    y = F.rms_norm(z, shape, weight, eps) if is_rms else F.layer_norm(z, shape, weight, bias, eps)
+    # torch.layer_norm / torch.rms_norm: what F.layer_norm / F.rms_norm call, without their Python
+    # wrappers (the C functions handle __torch_function__ overrides themselves)
+    y = torch.rms_norm(z, shape, weight, eps) if is_rms else torch.layer_norm(z, shape, weight, bias, eps, _cudnn_enabled())
     return (y, z) if return_residual else y
 
 
-def _fused_norm(
-    op: str, x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, eps: float,
-    is_rms: bool, return_residual: bool, invertible: bool, backend: str | None,
-):
+def _check_norm_args(op: str, x, weight: Tensor, bias: Tensor | None, residual: Tensor | None, eps: float) -> None:
+    """Raises the error for the first thing wrong with a norm call's arguments (nothing when they are valid)."""
     if not isinstance(x, Tensor) or x.dim() < 1:
         raise ValueError(f"{op}: x must be a tensor with at least one dimension; got {type(x).__name__}")
     n = x.shape[-1]
@@ -169,10 +170,27 @@ def _fused_norm(
     check_same_device(op, x=x, weight=weight, bias=bias, residual=residual)
     if not eps >= 0:
         raise ValueError(f"{op}: eps must be >= 0; got {eps}")
+
+
+def _fused_norm(
+    op: str, x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, eps: float,
+    is_rms: bool, return_residual: bool, invertible: bool, backend: str | None,
+):
+    # the valid case in one expression (host time: no call per check); anything else gets the named error
+    if not (type(x) in _PLAIN and x.dim() and x.dtype in SUPPORTED_DTYPES and type(weight) in _PLAIN
+            and weight.dtype in SUPPORTED_DTYPES and weight.shape == x.shape[-1:] and weight.device == x.device
+            and (bias is None or (type(bias) in _PLAIN and bias.dtype in SUPPORTED_DTYPES
+                                  and bias.shape == weight.shape and bias.device == x.device))
+            and (residual is None or (type(residual) in _PLAIN and residual.shape == x.shape
+                                      and residual.dtype == x.dtype and residual.device == x.device))
+            and eps >= 0):
+        _check_norm_args(op, x, weight, bias, residual, eps)
+    n = x.shape[-1]
     chosen = resolve(x, backend)
-    if chosen == "triton" and auto_on_cuda(x, backend) and _twin_applies(x, weight, bias, residual) \
+    if chosen == "triton" and auto_on_cuda(x, backend) and weight.dtype == x.dtype \
+            and (bias is None or bias.dtype == x.dtype) \
             and dispatch.choose(op, x, dispatch.norm_class(n), dispatch.needs_backward(x, weight, bias, residual)) \
-            == dispatch.TWIN:
+            == dispatch.TWIN:  # (the condition of _twin_applies, inline)
         return _torch_twin(x, weight, bias, residual, eps, is_rms, return_residual)
     if chosen == "triton" and n > MAX_TRITON_N:
         raise ValueError(f"{op}: the Triton kernel handles rows of up to {MAX_TRITON_N} elements; got {n} (use backend='torch')")

@@ -17,6 +17,7 @@ the three dropout seeds 0-dim int64 tensors, the layer's 12 parameters in _PARAM
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -28,6 +29,7 @@ from tachyon.kernels.attention.packed import _packed_bwd, _packed_fwd
 from tachyon.kernels.dropout.op import _bda_fwd, _bdan_bwd, _bdan_fwd, _dropout_bwd
 from tachyon.kernels.layernorm.op import _norm_bwd, _norm_fwd
 from tachyon.kernels.linear.mlp import _gemm_act_grad, _gemm_bias_act
+from tachyon.kernels.tiling import deferred_sums
 
 _norm_fwd_impl, _norm_bwd_impl = _norm_fwd.impl, _norm_bwd.impl
 _packed_fwd_impl, _packed_bwd_impl = _packed_fwd.impl, _packed_bwd.impl
@@ -187,7 +189,10 @@ class KernelLayerFunction(torch.autograd.Function):
         x, bias, seed0, seed1, seed2, *rest = ctx.saved_tensors
         params, saved = rest[:12], rest[12:]
         needs = ctx.needs_input_grad
-        grads = backward(ctx.plan, dout, x, bias, (seed0, seed1, seed2), params, saved, (needs[1], *needs[6:]))
+        # the partial-sum reductions (bias and norm-weight gradients) in one launch where the backward
+        # only returns them (progressive layer drop's scale multiplies two of them first)
+        with deferred_sums() if ctx.plan.scale == 1.0 else contextlib.nullcontext():
+            grads = backward(ctx.plan, dout, x, bias, (seed0, seed1, seed2), params, saved, (needs[1], *needs[6:]))
         return (None, grads[0], None, None, None, None, *grads[1:])
 
 
