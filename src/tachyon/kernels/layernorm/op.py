@@ -25,8 +25,7 @@ from tachyon.kernels.registry import fused_op
 _triton = lazy_module("tachyon.kernels.layernorm.triton")  # imported on first use (it imports Triton)
 
 MAX_TRITON_N = 65536  # one row is one Triton block
-_PLAIN = (Tensor, torch.nn.Parameter)
-_cudnn_enabled = torch._C._get_cudnn_enabled  # what torch.backends.cudnn.enabled reads  # other tensor types take the detailed checks (which accept subclasses)
+_PLAIN = (Tensor, torch.nn.Parameter)  # other tensor types take the detailed checks (which accept subclasses)
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -147,8 +146,10 @@ def _torch_twin(x, weight, bias, residual, eps, is_rms, return_residual):
     z = x if residual is None else x + residual
     shape = (x.shape[-1],)
     # torch.layer_norm / torch.rms_norm: what F.layer_norm / F.rms_norm call, without their Python
-    # wrappers (the C functions handle __torch_function__ overrides themselves)
-    y = torch.rms_norm(z, shape, weight, eps) if is_rms else torch.layer_norm(z, shape, weight, bias, eps, _cudnn_enabled())
+    # wrappers (the C functions handle __torch_function__ overrides themselves). F.layer_norm's last
+    # argument, torch.backends.cudnn.enabled, is left at its default: ATen's layer_norm ignores it
+    # (deprecated), and reading it via torch._C._get_cudnn_enabled() breaks torch.compile's graph
+    y = torch.rms_norm(z, shape, weight, eps) if is_rms else torch.layer_norm(z, shape, weight, bias, eps)
     return (y, z) if return_residual else y
 
 
