@@ -84,6 +84,13 @@ def test_fused_equals_op_by_op_low_precision_and_pld(dtype):
     _assert_same(fused, ops, steps=3, progressive_layer_drop=True, pld_theta=0.6)
 
 
+def test_fused_equals_op_by_op_triton_backend_with_pld():
+    """Progressive layer drop with the Triton kernels: the backward's reductions run in one launch
+    (tiling.deferred_sums) and the two output biases' gradients are scaled after it."""
+    fused, ops = _pair(True, False, False, False, 0.1, backend="triton", hidden=16, heads=1)
+    _assert_same(fused, ops, steps=2, progressive_layer_drop=True, pld_theta=0.6)
+
+
 @pytest.mark.parametrize("pre_ln,invertible,gelu_ckpt,attn_ckpt", [(True, False, False, False), (False, True, True, True)])
 def test_fused_equals_op_by_op_triton_backend(pre_ln, invertible, gelu_ckpt, attn_ckpt):
     """The Triton kernels (under the interpreter on CPU): the same launches in the same order."""

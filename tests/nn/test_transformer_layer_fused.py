@@ -65,10 +65,13 @@ CASES = [
      "attn_input_format": "bshd"},
     {"self_attn_mask_type": "no_mask", "activation": "relu", "hidden_dropout": 0.0, "attention_dropout": 0.0},
     {"hidden_dropout": 0.2, "attention_dropout": 0.0, "layernorm_epsilon": 1e-6},
+    {"zero_centered_gamma": True},  # the norms take 1 + gamma in fp32
+    {"zero_centered_gamma": True, "normalization": "RMSNorm", "bias": False, "dtype": torch.bfloat16},
 ]
 
 
-@pytest.mark.parametrize("kwargs", CASES, ids=["gpt", "llama-gqa-bshd", "no-mask-relu-p0", "hidden-dropout-only"])
+@pytest.mark.parametrize("kwargs", CASES, ids=["gpt", "llama-gqa-bshd", "no-mask-relu-p0", "hidden-dropout-only",
+                                               "zero-centered", "zero-centered-rmsnorm-bf16"])
 def test_one_node_equals_module_path_torch_backend(kwargs):
     one, mod = _pair(backend="torch", **kwargs)
     x = torch.randn(SEQ, BATCH, HIDDEN) if one.attn_input_format == "sbhd" else torch.randn(BATCH, SEQ, HIDDEN)

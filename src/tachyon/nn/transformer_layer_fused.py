@@ -17,7 +17,8 @@ layer drop, RoPE with one table for queries and keys (then, as on the module pat
 adds its bias and the attention op rotates q and k) or none, any self-attention mask type
 ("causal", "no_mask", "padding", "padding_causal" with TE's [b, 1, 1, s] mask or a (query, key)
 pair; padded query rows of the context zeroed, as the module path does), no FP8 (outside an enabled
-``fp8_autocast``, GEMMs that never ran in FP8), no zero-centered gamma, the params' dtype (or
+``fp8_autocast``, GEMMs that never ran in FP8), zero-centered gamma or not (the same for every
+norm), the params' dtype (or
 torch.autocast's, to which run() casts them first as the module path casts them), the Triton kernel for the input norm (not its torch twin, which ``backend="auto"``
 picks on CUDA where measured faster), the modules' own classes without hooks or replaced
 forwards, plain tensors outside torch.compile / dispatch modes / functorch. Anything else takes
@@ -48,7 +49,7 @@ from tachyon.kernels.attention.packed import _packed_bwd, _packed_fwd
 from tachyon.kernels.registry import eager_call
 from tachyon.kernels.tiling import deferred_sums
 from tachyon.nn.attention import ATTN_MASK_TYPES, DotProductAttention, MultiheadAttention
-from tachyon.nn.layernorm_linear import LayerNormLinear
+from tachyon.nn.layernorm_linear import LayerNormLinear, norm_weight
 from tachyon.nn.layernorm_mlp import _KERNEL_NAME, LayerNormMLP
 from tachyon.nn.linear import Linear
 from tachyon.nn.rope import rotary_tables
@@ -89,6 +90,7 @@ class Plan(NamedTuple):
     pad_bias: Tensor | None  # padding masks: the key padding bias fp32 [b, s] (-inf where padded), as the op takes it
     q_masked: Tensor | None  # and the padded queries, bool [s, b, 1] (sbhd) / [b, s, 1]: their context rows are 0
     cast: bool  # the parameters are cast to x's dtype first (torch.autocast), as the module path casts them
+    zero_centered: bool  # the norms' weights are 1 + gamma in fp32 (zero_centered_gamma), as the module path forms them
 
 
 def _plain_module(module: torch.nn.Module, cls: type) -> bool:
@@ -106,7 +108,7 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
     if _is_compiling():  # first: torch.compile traces the module path and nothing of the checks below
         return None
     if (scale != 1.0 or layer.layer_type != "encoder" or layer.output_layernorm
-            or layer.apply_residual_connection_post_layernorm or layer.zero_centered_gamma
+            or layer.apply_residual_connection_post_layernorm
             or encoder_output is not None):
         return None
     if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
@@ -122,8 +124,9 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
     if not (attn.input_layernorm and _plain_module(qkv, LayerNormLinear) and _plain_module(core, DotProductAttention)
             and _plain_module(proj, Linear) and attn.attention_type == "self" and attn.return_bias
             and proj.return_bias and not attn.return_layernorm_output and not qkv.return_layernorm_output
-            and not mlp.return_layernorm_output and mlp.return_bias and not qkv.zero_centered_gamma
-            and not mlp.zero_centered_gamma and core.training == training):
+            and not mlp.return_layernorm_output and mlp.return_bias
+            and qkv.zero_centered_gamma == mlp.zero_centered_gamma == layer.zero_centered_gamma
+            and core.training == training):
         return None
     mask_type = core.attn_mask_type if self_attn_mask_type is None else self_attn_mask_type
     if mask_type not in ATTN_MASK_TYPES:
@@ -184,7 +187,12 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
         if k_tab is not q_tab or r == 0 or r % 2 or r > d:
             return None  # separate query and key angles (the module path's unpacked RoPE), or its error
         cos, sin = q_tab.cos.to(x.device), q_tab.sin.to(x.device)
-    norm_twin = be_norm == "triton" and auto_on_cuda(x, qkv.backend) and (cast or _twin_applies(x, ln_w, ln_b, None)) and (
+    zero_centered = bool(layer.zero_centered_gamma)
+    if zero_centered or cast:  # the weights the module path hands the norms: fp32 1 + gamma, or cast to dtype
+        twin_ok = (torch.float32 if zero_centered else dtype) == dtype
+    else:
+        twin_ok = _twin_applies(x, ln_w, ln_b, None)
+    norm_twin = be_norm == "triton" and auto_on_cuda(x, qkv.backend) and twin_ok and (
         dispatch.choose("rms_norm" if rms else "layer_norm", x, dispatch.norm_class(n),
                         dispatch.needs_backward(x, ln_w, ln_b)) == dispatch.TWIN)
     if norm_twin and (rms or cast):
@@ -194,8 +202,11 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
         float(core.attention_dropout) if training else 0.0, float(layer.hidden_dropout) if training else 0.0,
         default_scale(d, core.softmax_scale), core.one_kernel_backward, activation, be_norm, be_attn, be_bdan,
         gemm_backend(x, mlp.backend, fc2_w.shape[1], *params), be_bdan, norm_twin, cos, sin,
-        attn.rotary_pos_interleaved, pad_bias, q_masked, cast,
+        attn.rotary_pos_interleaved, pad_bias, q_masked, cast, zero_centered,
     )
+
+
+_NORM_WEIGHTS = (0, 6)  # positions of the two norms' weights in _params
 
 
 def _autocast_to(x: Tensor, dtype: torch.dtype) -> bool:
@@ -354,9 +365,12 @@ def run(layer, plan: Plan, x: Tensor, seeds) -> Tensor:
     """The layer's output through one autograd node (or, without a gradient to compute, the same
     forward without saving)."""
     params = _params(layer)
-    if plan.cast:  # torch.autocast: the module path's .to(compute dtype) of each parameter, as graph nodes
-        dtype = x.dtype
-        params = tuple(p.to(dtype) if p is not None else None for p in params)
+    if plan.cast or plan.zero_centered:  # what the module path hands its ops, as graph nodes: each parameter
+        # .to(compute dtype) (torch.autocast; a no-op otherwise), the norm weights 1 + gamma in fp32
+        # (zero-centered, from the parameter itself: norm_weight)
+        dtype, zc = x.dtype, plan.zero_centered
+        params = tuple(norm_weight(p, True, dtype) if zc and i in _NORM_WEIGHTS else (p.to(dtype) if p is not None else None)
+                       for i, p in enumerate(params))
     s_attn = seeds[0] if plan.p_attn > 0 else None
     s1, s2 = (seeds[1], seeds[2]) if plan.p_hidden > 0 else (None, None)
     if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params)):

@@ -17,7 +17,6 @@ the three dropout seeds 0-dim int64 tensors, the layer's 12 parameters in _PARAM
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
@@ -107,9 +106,27 @@ def forward(plan: Plan, x: Tensor, bias: Tensor | None, seeds: tuple[Tensor, Ten
     return out, (*attention, ctx, *saved1, y1, pre, None if plan.gelu_checkpoint else act, *saved2)
 
 
+def backward_scaled(plan: Plan, dout: Tensor, x: Tensor, bias: Tensor | None, seeds, params, saved, needs):
+    """:func:`backward` with its partial-sum reductions (bias and norm-weight gradients) in one
+    launch (tiling.deferred_sums), then progressive layer drop's scale on the two output biases'
+    gradients (out_b's in pre-LN only, as the backward scales), which the block must not read
+    before it ends."""
+    with deferred_sums():
+        grads = backward(plan, dout, x, bias, seeds, params, saved, needs)
+    if plan.scale != 1.0:
+        grads = list(grads)
+        grads[4] = grads[4] * plan.scale  # d_o_b
+        if plan.pre_ln:
+            grads[10] = grads[10] * plan.scale  # d_out_b
+        grads = tuple(grads)
+    return grads
+
+
 def backward(plan: Plan, dout: Tensor, x: Tensor, bias: Tensor | None, seeds, params, saved, needs):
     """Gradients of (x, qkv_w, qkv_b, o_w, o_b, attn_nw, attn_nb, inter_w, inter_b, out_w, out_b,
-    norm_w, norm_b) from the output's gradient dout [M, H]; ``needs``: ctx.needs_input_grad."""
+    norm_w, norm_b) from the output's gradient dout [M, H]; ``needs``: ctx.needs_input_grad. With
+    progressive layer drop (plan.scale != 1) the gradients of o_b and (pre-LN) out_b are returned
+    unscaled: :func:`backward_scaled` scales them."""
     qkv_w, qkv_b, o_w, o_b, attn_nw, attn_nb, inter_w, inter_b, out_w, out_b, norm_w, norm_b = params
     y0, mean0, rstd0, qkv, lse, ctx, saved_n1, mean1, rstd1, y1, pre, act, *saved2 = saved
     be, inv, p, scale = plan.backend, plan.invertible, plan.p_hidden, plan.scale
@@ -121,8 +138,8 @@ def backward(plan: Plan, dout: Tensor, x: Tensor, bias: Tensor | None, seeds, pa
         else:
             df, d_out_b = d, d.sum(0, dtype=torch.float32).to(out_b.dtype)
         dz1 = d  # z1 is the residual of the output sum
-        if scale != 1.0:
-            df, d_out_b = df * scale, d_out_b * scale
+        if scale != 1.0:  # d_out_b's scale: by the caller, once the block's sums are written (backward_scaled)
+            df = df * scale
         d_norm_w = d_norm_b = None
     else:
         saved_n2, mean2, rstd2 = saved2
@@ -145,8 +162,8 @@ def backward(plan: Plan, dout: Tensor, x: Tensor, bias: Tensor | None, seeds, pa
         dy1, saved_n1, dz1 if plan.pre_ln else None, attn_nw, attn_nb, rstd1 if mean1 is None else mean1, rstd1, p,
         0, seeds[1], False, inv, True, o_b.dtype, True, be)
     dres1 = dres1 if p > 0 else da  # the gradient of x through the residual branch
-    if scale != 1.0:
-        da, d_o_b = da * scale, d_o_b * scale
+    if scale != 1.0:  # d_o_b's: by the caller (backward_scaled)
+        da = da * scale
     if plan.attn_checkpoint:
         with torch.no_grad():
             y0, mean0, rstd0, qkv, _, lse = _attention(plan, x, bias, seeds[0], norm_w, norm_b, qkv_w, qkv_b)
@@ -189,10 +206,7 @@ class KernelLayerFunction(torch.autograd.Function):
         x, bias, seed0, seed1, seed2, *rest = ctx.saved_tensors
         params, saved = rest[:12], rest[12:]
         needs = ctx.needs_input_grad
-        # the partial-sum reductions (bias and norm-weight gradients) in one launch where the backward
-        # only returns them (progressive layer drop's scale multiplies two of them first)
-        with deferred_sums() if ctx.plan.scale == 1.0 else contextlib.nullcontext():
-            grads = backward(ctx.plan, dout, x, bias, (seed0, seed1, seed2), params, saved, (needs[1], *needs[6:]))
+        grads = backward_scaled(ctx.plan, dout, x, bias, (seed0, seed1, seed2), params, saved, (needs[1], *needs[6:]))
         return (None, grads[0], None, None, None, None, *grads[1:])
 
 
@@ -200,4 +214,4 @@ class KernelLayerFunction(torch.autograd.Function):
 # which the layer's eager path does not need: it takes this path only without functorch transforms)
 apply = super(torch.autograd.Function, KernelLayerFunction).apply
 
-__all__ = ["KernelLayerFunction", "Plan", "apply", "backward", "forward"]
+__all__ = ["KernelLayerFunction", "Plan", "apply", "backward", "backward_scaled", "forward"]
