@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Iterator
 
 import torch
@@ -224,10 +223,18 @@ def timing() -> str:
     return GRAPH if _graph_depth else EAGER
 
 
-@functools.cache
+_ARCHS: dict[int, str] = {}  # device index -> "sm_XY", filled on first use
+
+
+# A device's architecture is fixed for the process: torch.compile takes the value as a constant (it
+# calls the function while tracing), so neither this cache nor the CUDA query is traced into the graph
+@torch._dynamo.assume_constant_result
 def _arch_of_index(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm_{major}{minor}"
+    arch = _ARCHS.get(index)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        arch = _ARCHS[index] = f"sm_{major}{minor}"
+    return arch
 
 
 def arch_of(tensor: torch.Tensor) -> str:

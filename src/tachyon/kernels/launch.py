@@ -30,20 +30,32 @@ What the fast path leaves out: Triton's launch enter/exit hooks (the proton prof
 fast path off with ``set_fast_launch(False)`` to profile with them) and the per-call check that
 globals the kernel read have not changed since it was compiled (tachyon's kernels read only
 constants). Under Triton's interpreter (TRITON_INTERPRET=1) every call takes the plain path.
+
+Under torch.compile an op registered with ``torch.library.triton_op`` (``fused_op(...,
+triton_op=True)``, kernels/registry.py) is traced through its implementation: inside
+:func:`wrapped_launches` every ``kernel[grid](...)`` goes through ``torch.library.wrap_triton``, so
+the traced graph holds the Triton kernels themselves (``triton_kernel_wrapper_functional`` nodes,
+which Inductor compiles and launches with its own code). Under the interpreter, the kernel given
+to ``wrap_triton`` is a ``JITFunction`` over the same Python function whose launch runs the
+interpreter (torch's ``wrap_triton`` leaves an interpreted kernel untraced: it would run on fake
+tensors).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-_enabled = True
+_user_enabled = True  # set_fast_launch
+_wrapping = 0  # > 0 inside wrapped_launches(): launches go through torch.library.wrap_triton
+_enabled = True  # the cached path is taken: _user_enabled and not _wrapping (one global read per launch)
 _Tensor = torch.Tensor
 _dtype_of = operator.attrgetter("dtype")
 _data_ptr = torch.Tensor.data_ptr
@@ -56,12 +68,80 @@ _MAX_KEYS = 4096  # argument keys kept per kernel (a bound: e.g. int seeds give 
 def set_fast_launch(enabled: bool) -> None:
     """Turn the cached launch path on (default) or off for the whole process; off, every launch
     goes through Triton's own ``run`` (e.g. for Triton's launch hooks)."""
-    global _enabled
-    _enabled = bool(enabled)
+    global _enabled, _user_enabled
+    _user_enabled = bool(enabled)
+    _enabled = _user_enabled and not _wrapping
 
 
 def fast_launch_enabled() -> bool:
-    return _enabled
+    return _user_enabled
+
+
+@contextlib.contextmanager
+def wrapped_launches() -> Iterator[None]:
+    """Inside: every FastKernel launch goes through ``torch.library.wrap_triton`` (a traced call to
+    the Triton kernel) where wrap_triton is enabled, i.e. while a ``triton_op`` is traced (fake
+    tensors, functionalization); where torch disables it (the op running on real tensors) the
+    launch is the usual one. Process-wide while active, as torch.compile traces in one thread: a
+    launch from another thread meanwhile goes through wrap_triton too, which on real tensors
+    launches the same kernel."""
+    global _enabled, _wrapping
+    from torch._library.triton import is_wrap_triton_enabled
+
+    if not is_wrap_triton_enabled():
+        yield
+        return
+    _wrapping += 1
+    _enabled = False
+    try:
+        yield
+    finally:
+        _wrapping -= 1
+        _enabled = _user_enabled and not _wrapping
+
+
+@functools.cache
+def _interpreted_jit_class() -> type:
+    from triton.runtime.jit import JITFunction
+
+    class InterpretedJIT(JITFunction):
+        """A JITFunction (what ``wrap_triton`` traces: source, parameters, name) whose launch runs
+        Triton's interpreter on the same function, for tracing kernels under TRITON_INTERPRET=1."""
+
+        def __init__(self, interpreted: Any) -> None:
+            super().__init__(interpreted.fn)
+            self.interpreted = interpreted
+
+        def run(self, *args, grid, warmup, **kwargs):
+            return self.interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
+
+        @property
+        def cache_key(self) -> str:
+            # JITFunction's hashes the @triton.jit functions it calls, which here are interpreted
+            # ones (not JITFunctions); this twin is one object per kernel, so its identity will do
+            return f"interpreted:{self.fn.__module__}.{self.fn.__qualname__}:{id(self)}"
+
+        def __hash__(self) -> int:
+            return id(self)
+
+    return InterpretedJIT
+
+
+def traceable_kernel(kernel: Any) -> Any:
+    """The kernel ``wrap_triton`` takes for ``kernel`` (a ``@triton.jit`` / ``@triton.autotune``
+    kernel, or an interpreted ``@triton.jit`` one); raises where there is none."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(kernel, (JITFunction, Autotuner)) and _jit_function(kernel) is not None:
+        return kernel
+    if type(kernel).__name__ == "InterpretedFunction" and hasattr(kernel, "fn"):
+        return _interpreted_jit_class()(kernel)
+    raise RuntimeError(
+        f"{getattr(kernel, '__name__', type(kernel).__name__)}: torch.library.wrap_triton traces @triton.jit and "
+        "@triton.autotune kernels (and, under TRITON_INTERPRET=1, @triton.jit ones); this one is neither, so it "
+        "cannot be traced into a torch.compile graph"
+    )
 
 
 def _jit_function(fn: Any):
@@ -176,6 +256,7 @@ class FastKernel:
             self._tune_positions = [(names.index(k), k) for k in self.autotuner.keys if k in names]
             self._tuned = len(self.autotuner.configs) > 1
         self._fast = self.jit is not None and (self.autotuner is None or type(kernel).run is Autotuner.run)
+        self._traceable: Any = None  # traceable_kernel(kernel), built on the first traced launch
         from triton.runtime.driver import driver
 
         self._driver = driver  # Triton's DriverConfig: .active is the driver in force at each call
@@ -199,6 +280,14 @@ class FastKernel:
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
         return functools.partial(self.launch, grid)  # a C-level partial: one Python frame less than a lambda
+
+    def _wrapped(self, grid: Any, args: Sequence[Any], kwargs: dict[str, Any]):
+        """Inside wrapped_launches(): the launch as a traced ``wrap_triton`` call."""
+        from torch.library import wrap_triton
+
+        if self._traceable is None:
+            self._traceable = traceable_kernel(self.kernel)
+        wrap_triton(self._traceable)[grid](*args, **kwargs)
 
     def _plain(self, grid: Any, args: Sequence[Any], kwargs: dict[str, Any]):
         """Triton's own path; returns the compiled kernel it ran."""
@@ -236,7 +325,10 @@ class FastKernel:
     def launch(self, grid: Any, *args: Any, **kwargs: Any):
         """Launch on ``grid`` (a tuple, or a callable of the bound arguments); returns the config."""
         if not (_enabled and self._fast):
-            self._plain(grid, args, kwargs)
+            if _wrapping:
+                self._wrapped(grid, args, kwargs)
+            else:
+                self._plain(grid, args, kwargs)
             return self.best_config
         # DriverConfig._active is what its .active property returns once set (saves a Python call)
         active = self._driver._active or self._driver.active
@@ -357,9 +449,11 @@ class FastKernel:
 
 
 def fast_launch(kernel: Any) -> Any:
-    """Decorator over ``@triton.jit`` / ``@triton.autotune``: a :class:`FastKernel`, or the kernel
-    itself where there is no JITFunction to cache (Triton's interpreter)."""
-    return FastKernel(kernel) if _jit_function(kernel) is not None else kernel
+    """Decorator over ``@triton.jit`` / ``@triton.autotune``: a :class:`FastKernel`. Under Triton's
+    interpreter, where there is no JITFunction to cache, every launch takes the plain path (the
+    wrapper stays, so that :func:`wrapped_launches` can trace the kernel)."""
+    return FastKernel(kernel)
 
 
-__all__ = ["FastKernel", "argument_key_holds", "fast_launch", "fast_launch_enabled", "set_fast_launch"]
+__all__ = ["FastKernel", "argument_key_holds", "fast_launch", "fast_launch_enabled", "set_fast_launch",
+           "traceable_kernel", "wrapped_launches"]

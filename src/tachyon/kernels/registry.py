@@ -16,11 +16,22 @@ such calls per forward and backward, which on a GPU is host time the kernels may
 eager mode (not compiling, no dispatch mode active, no functorch transform, only plain tensors
 and parameters) the call runs the implementation directly, through an autograd.Function when a
 gradient is needed. Both paths save the same tensors for backward and compute the same results.
+
+``fused_op(name, mutates_args=(), triton_op=True)`` registers the op with
+``torch.library.triton_op`` instead (where Triton imports): the same custom op to the dispatcher,
+fake tensors and autograd, but torch.compile's AOT stage traces its implementation, with every
+Triton launch in it as a ``wrap_triton`` call (kernels/launch.py ``wrapped_launches``), so the
+compiled graph holds the Triton kernels (``triton_kernel_wrapper_functional`` nodes) instead of
+one opaque call, and the other ops of the implementation (allocations, the PyTorch reference
+path) as ordinary graph nodes. The implementation must then be traceable with fake tensors: no
+reads of tensor data or storage, no device queries that a fake tensor cannot answer. Eager calls
+are unchanged (the direct path above, FastKernel launches).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -48,9 +59,14 @@ class FusedOp:
     """A custom op (``self.custom_op``) and its implementation (``self.impl``); see the module
     docstring. Takes positional arguments only, like the ops' internal call sites."""
 
-    def __init__(self, name: str, impl: Callable[..., Any], mutates_args: tuple[str, ...] | str) -> None:
+    def __init__(self, name: str, impl: Callable[..., Any], mutates_args: tuple[str, ...] | str,
+                 triton_op: bool = False) -> None:
         self.name, self.impl = name, impl
-        self.custom_op = torch.library.custom_op(name, mutates_args=mutates_args)(impl)
+        self.triton_op = triton_op and _triton_imports()
+        if self.triton_op:
+            self.custom_op = torch.library.triton_op(name, mutates_args=mutates_args)(_traced(impl))
+        else:
+            self.custom_op = torch.library.custom_op(name, mutates_args=mutates_args)(impl)
         self._function: type[torch.autograd.Function] | None = None
         self._apply: Callable[..., Any] | None = None
         functools.update_wrapper(self, impl)
@@ -100,9 +116,32 @@ class FusedOp:
         return self.impl(*args)
 
 
-def fused_op(name: str, *, mutates_args: tuple[str, ...] | str) -> Callable[[Callable[..., Any]], FusedOp]:
-    """Decorator: register ``fn`` as the custom op ``name`` with an eager fast path (FusedOp)."""
-    return lambda fn: FusedOp(name, fn, mutates_args)
+def _triton_imports() -> bool:
+    from tachyon.backend import triton_import_error
+
+    return triton_import_error() is None
+
+
+def _traced(impl: Callable[..., Any]) -> Callable[..., Any]:
+    """``impl`` for ``torch.library.triton_op``: its Triton launches inside ``wrapped_launches``.
+    Carries impl's signature with the annotations evaluated (triton_op infers the schema from it)."""
+    from tachyon.kernels.launch import wrapped_launches
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        with wrapped_launches():
+            return impl(*args, **kwargs)
+
+    traced.__signature__ = inspect.signature(impl, eval_str=True)  # type: ignore[attr-defined]
+    traced.__name__ = traced.__qualname__ = impl.__name__
+    traced.__module__ = impl.__module__
+    return traced
+
+
+def fused_op(name: str, *, mutates_args: tuple[str, ...] | str,
+             triton_op: bool = False) -> Callable[[Callable[..., Any]], FusedOp]:
+    """Decorator: register ``fn`` as the custom op ``name`` with an eager fast path (FusedOp);
+    ``triton_op=True``: as a ``torch.library.triton_op`` (see the module docstring)."""
+    return lambda fn: FusedOp(name, fn, mutates_args, triton_op)
 
 
 __all__ = ["FusedOp", "eager_call", "fused_op"]

@@ -25,15 +25,14 @@ from tachyon.kernels.registry import fused_op
 _triton = lazy_module("tachyon.kernels.layernorm.triton")  # imported on first use (it imports Triton)
 
 MAX_TRITON_N = 65536  # one row is one Triton block
-_PLAIN = (Tensor, torch.nn.Parameter)
-_cudnn_enabled = torch._C._get_cudnn_enabled  # what torch.backends.cudnn.enabled reads  # other tensor types take the detailed checks (which accept subclasses)
+_PLAIN = (Tensor, torch.nn.Parameter)  # other tensor types take the detailed checks (which accept subclasses)
 
 
 def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
-@fused_op("tachyon::norm_fwd", mutates_args=())
+@fused_op("tachyon::norm_fwd", mutates_args=(), triton_op=True)
 def _norm_fwd(
     x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
     eps: float, is_rms: bool, invertible: bool, backend: str,
@@ -57,7 +56,7 @@ def _(x, weight, bias, residual, eps, is_rms, invertible, backend):
     return torch.empty_like(x), z, (_empty(stats) if is_rms or invertible else stats), torch.empty_like(stats)
 
 
-@fused_op("tachyon::norm_bwd", mutates_args=())
+@fused_op("tachyon::norm_bwd", mutates_args=(), triton_op=True)
 def _norm_bwd(
     dy: Tensor, saved: Tensor, dz_out: Tensor | None, weight: Tensor, bias: Tensor | None,
     mean: Tensor, rstd: Tensor, is_rms: bool, from_output: bool, backend: str,
@@ -147,8 +146,10 @@ def _torch_twin(x, weight, bias, residual, eps, is_rms, return_residual):
     z = x if residual is None else x + residual
     shape = (x.shape[-1],)
     # torch.layer_norm / torch.rms_norm: what F.layer_norm / F.rms_norm call, without their Python
-    # wrappers (the C functions handle __torch_function__ overrides themselves)
-    y = torch.rms_norm(z, shape, weight, eps) if is_rms else torch.layer_norm(z, shape, weight, bias, eps, _cudnn_enabled())
+    # wrappers (the C functions handle __torch_function__ overrides themselves). F.layer_norm's last
+    # argument, torch.backends.cudnn.enabled, is left at its default: ATen's layer_norm ignores it
+    # (deprecated), and reading it via torch._C._get_cudnn_enabled() breaks torch.compile's graph
+    y = torch.rms_norm(z, shape, weight, eps) if is_rms else torch.layer_norm(z, shape, weight, bias, eps)
     return (y, z) if return_residual else y
 
 

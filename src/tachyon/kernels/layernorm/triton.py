@@ -15,6 +15,13 @@ launcher sums over programs in one more launch (kernels/tiling.py ``sum_partials
 
 The row math (:func:`row_stats`, :func:`row_grad`) is shared with the fused
 bias + dropout + residual + norm kernels of kernels/dropout.
+
+Traced by torch.compile (inside ``launch.wrapped_launches``, see kernels/registry.py), the launch
+arguments differ in two ways: a pointer the kernel does not touch (no residual, no bias, ...) is a
+tensor of its own instead of another argument (torch functionalizes a traced kernel by cloning
+each argument it may write, so two arguments that alias would be written back over each other),
+and the backward's partial sums of dweight and dbias go to two buffers summed with torch (a
+reduction the compiler handles) instead of one buffer summed by ``tiling.sum_partials``.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tachyon.kernels import tiling
+from tachyon.kernels import launch, tiling
 from tachyon.kernels.tiling import partials, sum_partials
 from tachyon.kernels.ints import cdiv, next_power_of_2
 from tachyon.kernels.launch import fast_launch
@@ -166,6 +173,17 @@ def norm_fwd(
     mean = torch.empty(m if store_mean else 0, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     block_n, num_warps = row_config(n)
+    if launch._wrapping:  # traced: unused pointers get tensors of their own (module docstring)
+        _norm_fwd_kernel[(m,)](
+            x, residual if residual is not None else x.new_empty(0), weight,
+            bias if bias is not None else weight.new_empty(0), y, z if z is not None else y.new_empty(0),
+            mean if store_mean else rstd.new_empty(0), rstd,
+            x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+            z.stride(0) if z is not None else 0, n, eps,
+            IS_RMS=is_rms, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+            STORE_Z=residual is not None, STORE_MEAN=store_mean, BLOCK_N=block_n, num_warps=num_warps,
+        )
+        return y, z, mean, rstd
     _norm_fwd_kernel[(m,)](
         x, residual if residual is not None else x, weight, bias if bias is not None else weight,
         y, z if z is not None else y, mean if store_mean else rstd, rstd,
@@ -196,9 +214,12 @@ def norm_bwd(
     programs = tiling.row_programs(m, dy.device, 8)  # interpreter: 8 (each program costs milliseconds)
     rows_per_program = cdiv(m, programs)
     programs = cdiv(m, rows_per_program)
+    block_n, num_warps = row_config(n)
+    if launch._wrapping:  # traced (module docstring)
+        return _norm_bwd_traced(dy, saved, dz_out, weight, bias, mean, rstd, is_rms, from_output, dx, programs,
+                                rows_per_program, block_n, num_warps)
     # partial sums of dweight (and dbias): group 0 (and 1) of one buffer, summed in one launch
     part = partials(programs, 1 if bias is None else 2, n, dy.device)
-    block_n, num_warps = row_config(n)
     _norm_bwd_kernel[(programs,)](
         dy, saved, dz_out if dz_out is not None else dy, weight, bias if bias is not None else weight,
         mean, rstd, dx, part, part[:, n:] if bias is not None else part,
@@ -212,3 +233,23 @@ def norm_bwd(
         return dx, dw, None
     dw, db = sum_partials(part, [weight.dtype, bias.dtype])
     return dx, dw, db
+
+
+def _norm_bwd_traced(dy, saved, dz_out, weight, bias, mean, rstd, is_rms, from_output, dx, programs,
+                     rows_per_program, block_n, num_warps):
+    """norm_bwd's launch as torch.compile traces it: no aliasing arguments, partial sums in two
+    buffers reduced by torch (in fp32, then cast, as ``sum_partials`` does)."""
+    m, n = dy.shape
+    dw_part = torch.empty((programs, n), dtype=torch.float32, device=dy.device)
+    db_part = torch.empty((programs, n) if bias is not None else (0,), dtype=torch.float32, device=dy.device)
+    _norm_bwd_kernel[(programs,)](
+        dy, saved, dz_out if dz_out is not None else dy.new_empty(0), weight,
+        bias if bias is not None else weight.new_empty(0), mean if mean is not rstd else rstd.new_empty(0), rstd, dx,
+        dw_part, db_part,
+        dy.stride(0), saved.stride(0), dz_out.stride(0) if dz_out is not None else 0, dx.stride(0), dw_part.stride(0),
+        m, n, rows_per_program,
+        IS_RMS=is_rms, HAS_BIAS=bias is not None, HAS_DZ_OUT=dz_out is not None,
+        FROM_OUTPUT=from_output, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    dw = dw_part.sum(0).to(weight.dtype)
+    return dx, dw, (db_part.sum(0).to(bias.dtype) if bias is not None else None)
