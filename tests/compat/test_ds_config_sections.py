@@ -144,4 +144,10 @@ def test_hjson_stand_in_writes_hjson_that_reads_back():
     assert read_hjson(text) == data
     with pytest.raises(NotImplementedError, match="formatting options"):
         _hjson.dumps(data, indent=4)
+    # loads, which tachyon's config loader calls once the stand-in is `hjson`: the hook sees every object's pairs
+    seen = []
+    assert _hjson.loads(text, object_pairs_hook=lambda pairs: seen.append(pairs) or dict(pairs)) == data
+    assert [key for key, _ in seen[-1]] == list(data) and len(seen) == 3
+    with pytest.raises(ValueError, match="duplicate key 'a'"):
+        _hjson.loads("{a: 1\na: 2}", object_pairs_hook=dict)
     assert "hjson" not in sys.modules or sys.modules["hjson"] is not _hjson  # only the vendored tests alias it

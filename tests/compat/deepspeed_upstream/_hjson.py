@@ -2,16 +2,19 @@
 real package is not importable (tachyon does not depend on it). It provides what those tests
 call, ``dump`` / ``dumps``, writing Hjson the way the package does by default (no quotes around
 keys and plain strings, one member per line, no commas), so a test that writes its config with
-``hjson.dump`` hands tachyon a real Hjson file. Reading goes through tachyon's config reader.
+``hjson.dump`` hands tachyon a real Hjson file. Once it is ``hjson``, tachyon's config loader
+takes it for the package and calls ``loads(text, object_pairs_hook=...)``: that reads with
+tachyon's own Hjson reader (`tachyon.config.hjson`), then passes each object's pairs to the hook.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import IO, Any
 
-from tachyon.config.hjson import HjsonError, loads  # noqa: F401  (``hjson.loads`` for completeness)
+from tachyon.config import hjson as _reader
 
 _PLAIN_KEY = re.compile(r"[^\s{}\[\],:#\"'/]+")
 _NEEDS_QUOTES = re.compile(r"^\s|\s$|^[{}\[\],:\"']|#|//|/\*|\n")
@@ -61,3 +64,21 @@ def dumps(obj: Any, **kwargs: Any) -> str:
 
 def dump(obj: Any, fp: IO[str], **kwargs: Any) -> None:
     fp.write(dumps(obj, **kwargs))
+
+
+def _pairs_to_hook(value: Any, hook: Callable[[list[tuple[str, Any]]], Any]) -> Any:
+    if isinstance(value, dict):
+        return hook([(key, _pairs_to_hook(item, hook)) for key, item in value.items()])
+    if isinstance(value, list):
+        return [_pairs_to_hook(item, hook) for item in value]
+    return value
+
+
+def loads(text: str, object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+          **kwargs: Any) -> Any:
+    """``text`` read by tachyon's Hjson reader (which refuses duplicate keys itself); each object's
+    pairs go through ``object_pairs_hook`` as the package does."""
+    if kwargs:
+        raise NotImplementedError(f"the hjson stand-in's loads takes only object_pairs_hook (got {sorted(kwargs)})")
+    value = _reader.loads(text)
+    return value if object_pairs_hook is None else _pairs_to_hook(value, object_pairs_hook)
