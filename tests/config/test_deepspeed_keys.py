@@ -125,6 +125,20 @@ def test_deepspeed_switches_tachyon_lacks_are_refused_by_feature_and_accepted_wh
     assert load_config({"train_batch_size": 8, key: off}).ignored_keys == (key,)
 
 
+def test_gradient_allreduce_op_is_read_as_deepspeed_reads_it():
+    """Any case of "mean" is accepted (DeepSpeed lowercases it); anything but mean / sum is invalid,
+    not the summing feature; "sum" with ZeRO stage 3 also names DeepSpeed's own refusal."""
+    assert load_config({"train_batch_size": 8, "gradient_allreduce_op": "Mean"}).ignored_keys == (
+        "gradient_allreduce_op",)
+    for value in ("max", None, 1):
+        with pytest.raises(ConfigError, match="Invalid gradient_allreduce_op") as error:
+            load_config({"train_batch_size": 8, "gradient_allreduce_op": value})
+        assert "summing gradients" not in str(error.value)
+    with pytest.raises(ConfigError, match=r"\(summing gradients.*; DeepSpeed refuses it too: 'sum' is not supported "
+                                          r"with ZeRO stage 3"):
+        load_config({"train_batch_size": 8, "gradient_allreduce_op": "SUM", "zero_optimization": {"stage": 3}})
+
+
 REAL_CONFIGS = {
     # DeepSpeedExamples training/imagenet/config/ds_config.json (abridged to the keys)
     "imagenet": {"train_batch_size": 256, "gradient_accumulation_steps": 1, "steps_per_print": 50,

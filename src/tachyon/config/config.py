@@ -11,6 +11,7 @@ torch.distributed calls.
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 from collections.abc import Mapping
@@ -21,8 +22,8 @@ from pydantic import Field, PrivateAttr, ValidationError
 
 from . import hjson
 from .batch import check_world_size, resolve_batch_sizes
-from .errors import ConfigError, validation_problems
-from .keys import walk
+from .errors import ConfigError, not_supported, render, validation_problems
+from .keys import UNSUPPORTED_KEYS, walk
 from .optim import check_typed_section
 from .sections import (
     ActivationCheckpointingConfig,
@@ -148,7 +149,8 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _read_json(path: Path) -> Any:
     """The file as JSON, or else as Hjson (comments, trailing commas, unquoted keys: the JSON
-    superset DeepSpeed reads config files as; `tachyon.config.hjson`)."""
+    superset DeepSpeed reads config files as): through the hjson package when it is installed (the
+    reader DeepSpeed uses), else through tachyon's own reader (`tachyon.config.hjson`)."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {str(path)!r} (expected a JSON file or a dict)")
     try:
@@ -162,11 +164,21 @@ def _read_json(path: Path) -> Any:
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from None
     try:
+        package = importlib.import_module("hjson")
+    except ImportError:
+        package = None
+    try:
+        if package is not None:
+            return package.loads(text, object_pairs_hook=_reject_duplicates)
         return hjson.loads(text)
-    except hjson.HjsonError as error:
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
+    except ValueError as error:  # hjson.HjsonDecodeError / tachyon's HjsonError
+        where = f"{getattr(error, 'lineno', '?')}:{getattr(error, 'colno', '?')}"
+        reader = "the hjson package" if package is not None else "tachyon's Hjson reader"
         raise ConfigError(
-            f"{path}:{error.lineno}:{error.colno}: invalid JSON (and invalid Hjson, which DeepSpeed also reads): "
-            f"{error.msg}"
+            f"{path}:{where}: invalid JSON (and invalid Hjson, which DeepSpeed also reads; read by {reader}): "
+            f"{getattr(error, 'msg', error)}"
         ) from None
 
 
@@ -337,6 +349,33 @@ def _deprecated_offload_keys(raw: dict[str, Any], problems: list[str]) -> dict[s
     return {**raw, "zero_optimization": zero}
 
 
+def _gradient_allreduce_op(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """``gradient_allreduce_op`` as DeepSpeed reads it: "mean" or "sum" in any case, anything else
+    invalid. "mean" (tachyon's reduction) goes on to the key walk, which accepts it; "sum" is
+    refused by feature, adding DeepSpeed's own refusal where it has one (ZeRO stage 3, ZenFlow,
+    DeepCompile)."""
+    if "gradient_allreduce_op" not in raw:
+        return raw
+    value = raw["gradient_allreduce_op"]
+    op = value.lower() if isinstance(value, str) else None
+    if op == "mean":
+        return raw
+    if op != "sum":
+        problems.append(f'Invalid gradient_allreduce_op {render(value)}: DeepSpeed\'s operations are "mean" (the '
+                        'default, tachyon\'s) and "sum" (which tachyon does not support yet)')
+    else:
+        message = not_supported("gradient_allreduce_op", UNSUPPORTED_KEYS["gradient_allreduce_op"], value, '"mean"')
+        zero = raw.get("zero_optimization") if isinstance(raw.get("zero_optimization"), dict) else {}
+        compile_ = raw.get("compile") if isinstance(raw.get("compile"), dict) else {}
+        also = [what for what, applies in (("ZeRO stage 3", zero.get("stage") == 3),
+                                           ("ZenFlow", zero.get("zenflow") is not None),
+                                           ("DeepCompile", bool(compile_.get("deepcompile")))) if applies]
+        if also:
+            message += f"; DeepSpeed refuses it too: 'sum' is not supported with {' or '.join(also)}"
+        problems.append(message)
+    return {key: item for key, item in raw.items() if key != "gradient_allreduce_op"}
+
+
 def parse_config(config: Any) -> TachyonConfig:
     """Validate a DeepSpeed-style config without resolving its batch sizes (they stay as given):
     every key, type and cross-section rule of `load_config`, nothing that needs the number of
@@ -354,6 +393,7 @@ def parse_config(config: Any) -> TachyonConfig:
             raw = {("bf16" if k == "bfloat16" else k): v for k, v in raw.items()}
 
     raw = _deprecated_offload_keys(raw, problems)
+    raw = _gradient_allreduce_op(raw, problems)
     cleaned = walk(raw, TachyonConfig, "", ignored, problems)
     for section in ("optimizer", "scheduler"):
         if isinstance(cleaned.get(section), dict):

@@ -41,7 +41,8 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "elasticity": "elastic training",
     "autotuning": "the autotuner",
     "aio": "async I/O for NVMe offload",
-    "eigenvalue": "eigenvalue computation for MoQ",
+    "eigenvalue": "eigenvalue computation for MoQ; DeepSpeed reads it only as quantize_training.eigenvalue and "
+                  "ignores this top-level section, so removing it changes nothing",
     "quantize_training.eigenvalue": "eigenvalue-adaptive MoQ quantization periods",
     "wandb": "Weights & Biases monitoring; use tensorboard or csv_monitor",
     "comet": "Comet monitoring; use tensorboard or csv_monitor",
@@ -185,7 +186,7 @@ OFF_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sequence_parallel_size": (_is(1), "1"),
     "compile": (lambda v: v == {} or (isinstance(v, dict) and v.get("deepcompile") is False),
                 '{"deepcompile": false}'),
-    "gradient_allreduce_op": (_is("mean"), '"mean"'),
+    "gradient_allreduce_op": (lambda v: isinstance(v, str) and v.lower() == "mean", '"mean"'),  # any case, as DeepSpeed
     "managed_gradient_accumulation": (_is(True), "true"),
     "tensor_parallel.tp": (lambda v: v == {} or v is None, "{}"),
     "tensor_parallel.tp_grain_size": (_is(1), "1"),

@@ -1,6 +1,8 @@
 """Make ``import deepspeed`` / ``from deepspeed.x import y`` resolve to `tachyon.compat.deepspeed`
 and ``unit.common`` / ``unit.simple_model`` / ``unit.util`` to this directory's stand-ins, so the
-vendored DeepSpeed tests run with only their imports redirected (their files are unchanged)."""
+vendored DeepSpeed tests run with only their imports redirected (their files are unchanged).
+``import hjson`` resolves to the stand-in ``_hjson`` (its ``dump``) when the hjson package is not
+installed; an installed one is used as it is."""
 
 from __future__ import annotations
 
@@ -35,5 +37,7 @@ class AliasFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
+    if "hjson" not in ALIASES and importlib.util.find_spec("hjson") is None:
+        ALIASES["hjson"] = "tests.compat.deepspeed_upstream._hjson"
     if not any(isinstance(f, AliasFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, AliasFinder())

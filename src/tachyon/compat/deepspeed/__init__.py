@@ -32,6 +32,8 @@ __version__ = "0.19.6"
 """The DeepSpeed release whose API this compatibility layer follows (commit edaa722), for scripts
 and integrations that check ``deepspeed.__version__``; tachyon's own is ``tachyon.__version__``."""
 __version_major__, __version_minor__, __version_patch__ = (int(part) for part in __version__.split("."))
+__git_hash__ = __git_branch__ = "[none]"
+"""What DeepSpeed reports when it was not built from a git checkout: no DeepSpeed build is present."""
 
 _INFERENCE = ("the inference engine is not in this version of tachyon (it will be tachyon.init_inference, "
               "tachyon.inference); for now run the trained model itself under torch.no_grad()")
@@ -77,4 +79,4 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_TABLE, *_SUBMODULES})
 
 
-__all__ = ["__version__", "add_config_arguments", *_TABLE]
+__all__ = ["__version__", "__git_hash__", "__git_branch__", "add_config_arguments", *_TABLE]

@@ -7,7 +7,8 @@ import importlib
 
 from tachyon.compat._names import module_getattr
 
-_SUBMODULES = ("activation_checkpointing", "config", "config_utils", "fp16", "lr_schedules", "pipe", "progressive_layer_drop", "utils")
+_SUBMODULES = ("activation_checkpointing", "config", "config_utils", "fp16", "lr_schedules", "pipe", "precision_config",
+               "progressive_layer_drop", "utils", "zero")
 _lookup = module_getattr(__name__, "deepspeed.runtime", {}, lambda: list(_SUBMODULES))
 
 

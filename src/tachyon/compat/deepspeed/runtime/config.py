@@ -5,9 +5,15 @@
 ``tachyon.initialize`` does, with the batch sizes resolved for the data-parallel size (``mpu``'s,
 else the world size of the running process group, else 1), and exposes DeepSpeed's attribute
 names over it (``train_batch_size``, ``zero_optimization_stage``, ``fp16_enabled``,
-``optimizer_name``, ...). The raw dict is ``_param_dict``; the validated `TachyonConfig` is
-``tachyon_config``. Problems raise ``DeepSpeedConfigError`` (tachyon's ``ConfigError``, which lists
-every problem; DeepSpeed raises on the first, sometimes as an AssertionError).
+``optimizer_name``, ``gradient_allreduce_op``, ...) and section objects (``zero_config``,
+``float16_config``, ``bfloat16_config``: `runtime.zero.config` / `runtime.precision_config`'s
+classes). The raw dict is ``_param_dict``; the validated `TachyonConfig` is ``tachyon_config``.
+Problems raise ``DeepSpeedConfigError`` (tachyon's ``ConfigError``, which lists every problem;
+DeepSpeed raises on the first, sometimes as an AssertionError).
+
+``_configure_train_batch_size()`` re-derives the three batch sizes from the ones set on the object
+(None = not given) for ``world_size`` ranks, as DeepSpeed's does; inconsistent sizes raise
+`BatchSizeError`, a ConfigError that is also the AssertionError DeepSpeed raises.
 """
 
 from __future__ import annotations
@@ -17,10 +23,23 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tachyon.config import ConfigError, load_config
+from tachyon.compat.deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
+from tachyon.compat.deepspeed.runtime.zero.config import get_zero_config
+from tachyon.config import ConfigError, load_config, resolve_batch_sizes
 from tachyon.config.config import _as_dict
 
 DeepSpeedConfigError = ConfigError
+
+
+class BatchSizeError(ConfigError, AssertionError):
+    """Batch sizes that do not fit together (DeepSpeed asserts)."""
+
+
+# DeepSpeed's eigenvalue defaults (runtime/constants.py). DeepSpeed reads the eigenvalue settings
+# only when compression_training's weight quantization is on, which tachyon refuses, so a config
+# tachyon accepts always has these.
+_EIGENVALUE_DEFAULTS = {"enabled": False, "verbose": False, "max_iter": 100, "tol": 1e-2, "stability": 1e-6,
+                        "gas_boundary_resolution": 1, "layer_name": "bert.encoder.layer", "layer_num": 0}
 
 ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER = "adam", "adamw", "lamb"
 ONEBIT_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER, SGD_OPTIMIZER = "onebitadam", "onebitlamb", "sgd"
@@ -54,7 +73,10 @@ class DeepSpeedConfig:
         self.memory_breakdown = bool(self._param_dict.get("memory_breakdown", False))
         self.dump_state = bool(self._param_dict.get("dump_state", False))
         self.dataloader_drop_last = cfg.dataloader_drop_last
-        self.zero_config = cfg.zero_optimization
+        self.gradient_allreduce_op = str(self._param_dict.get("gradient_allreduce_op") or "mean").lower()
+        self.zero_config = get_zero_config(self._param_dict)
+        self.float16_config = get_float16_config(self._param_dict)
+        self.bfloat16_config = get_bfloat16_config(self._param_dict)
         self.zero_optimization_stage = cfg.zero_stage
         self.zero_enabled = cfg.zero_stage > 0
         self.zero_allow_untested_optimizer = cfg.zero_allow_untested_optimizer
@@ -76,6 +98,23 @@ class DeepSpeedConfig:
                            if self.pld_enabled else False)
         self.checkpoint_tag_validation_enabled = str(cfg.checkpoint.tag_validation).lower() != "ignore"
         self.checkpoint_tag_validation_fail = str(cfg.checkpoint.tag_validation).lower() == "fail"
+        for key, value in _EIGENVALUE_DEFAULTS.items():
+            setattr(self, f"eigenvalue_{key}", value)
+
+    def _configure_train_batch_size(self) -> None:
+        """Derive the missing batch sizes from those set (DeepSpeed's method, on
+        `tachyon.config.resolve_batch_sizes`); raises `BatchSizeError` when they do not fit."""
+        sizes = {"train_batch_size": self.train_batch_size,
+                 "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu,
+                 "gradient_accumulation_steps": self.gradient_accumulation_steps}
+        for key, value in sizes.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise BatchSizeError(f"`{key}` should be an integer >= 1; got {value!r}")
+        try:
+            resolved = resolve_batch_sizes(*sizes.values(), self.world_size)
+        except ConfigError as error:
+            raise BatchSizeError(error.problems) from None
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = resolved
 
     def _optimizer_name(self) -> str | None:
         optimizer = self.tachyon_config.optimizer
@@ -90,4 +129,4 @@ class DeepSpeedConfig:
             print(f"  {key} {'.' * max(1, 28 - len(key))} {value}")
 
 
-__all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
+__all__ = ["BatchSizeError", "DeepSpeedConfig", "DeepSpeedConfigError"]
