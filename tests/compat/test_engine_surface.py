@@ -306,3 +306,18 @@ def test_cifar_style_script_lines_run(tmp_path):
     model_engine.backward(model_engine(inputs).square().mean())
     model_engine.step()
     assert model_engine.was_step_applied()
+
+
+def test_deprecated_deepscale_config_in_args_is_read_as_deepspeed_config(tmp_path):
+    """DeepSpeed reads args.deepscale_config (its old name, with a warning) where deepspeed_config is
+    unset, and refuses both at once."""
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.001}}}')
+    args = argparse.Namespace(deepscale_config=str(config), local_rank=0)
+    model = Net()
+    with pytest.warns(DeprecationWarning, match="deepscale_config is deprecated"):
+        engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+    assert engine.train_batch_size() == 4
+    both = argparse.Namespace(deepscale_config=str(config), deepspeed_config=str(config))
+    with pytest.raises(ValueError, match="both deepscale_config"):
+        deepspeed.initialize(args=both, model=Net(), model_parameters=Net().parameters())

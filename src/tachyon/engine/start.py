@@ -15,6 +15,7 @@ mesh's data-parallel axis.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -122,14 +123,22 @@ def initialize(
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
-    """The config to load: ``config`` (or ``config_params``), else ``args.deepspeed_config``,
-    else ``args.config``. Like DeepSpeed, a ``deepspeed_config`` in args that differs from an
+    """The config to load: ``config`` (or ``config_params``), else ``args.deepspeed_config`` (or
+    DeepSpeed's deprecated ``args.deepscale_config``), else ``args.config``. Like DeepSpeed, a ``deepspeed_config`` in args that differs from an
     explicit ``config`` is an error (``args.config`` is then ignored: scripts use that name for
     other things too)."""
     if config is not None and config_params is not None:
         raise ValueError("pass the config once: config= or config_params=, not both")
     config = config if config is not None else config_params
     from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    deepscale = getattr(args, "deepscale_config", None) if args is not None else None
+    if deepscale is not None:  # DeepSpeed's deprecated name for deepspeed_config, read as DeepSpeed reads it
+        if from_args is not None:
+            raise ValueError(f"args has both deepscale_config={deepscale!r} and deepspeed_config={from_args!r}; "
+                             "deepscale_config is the deprecated name of deepspeed_config: keep deepspeed_config")
+        warnings.warn("args.deepscale_config is deprecated (as in DeepSpeed); use args.deepspeed_config",
+                      DeprecationWarning, stacklevel=3)
+        from_args = deepscale
     if config is not None:
         if from_args is not None and from_args != config:
             raise ValueError(
