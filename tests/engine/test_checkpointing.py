@@ -315,7 +315,7 @@ SECTION = {
 }
 
 
-@pytest.mark.parametrize("form", ["dict", "TachyonConfig", "path"])
+@pytest.mark.parametrize("form", ["dict", "TachyonConfig", "path", "Hjson path"])
 def test_configure_reads_the_config_section(form, tmp_path):
     config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "activation_checkpointing": SECTION}
     if form == "TachyonConfig":
@@ -323,6 +323,10 @@ def test_configure_reads_the_config_section(form, tmp_path):
     elif form == "path":
         (tmp_path / "ds.json").write_text(json.dumps(config))
         config = str(tmp_path / "ds.json")
+    elif form == "Hjson path":  # a comment and a trailing comma: Hjson, as DeepSpeed reads config files
+        text = json.dumps(config, indent=1).replace('"train_batch_size": 16,', '// the global batch\n "train_batch_size": 16,')
+        (tmp_path / "ds.hjson").write_text(text[:-2] + ",\n}")
+        config = str(tmp_path / "ds.hjson")
     with pytest.warns(UserWarning, match="partition_activations"):
         ckpt.configure(None, deepspeed_config=config)
     assert ckpt.is_configured()

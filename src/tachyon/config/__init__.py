@@ -11,7 +11,7 @@ per config by `TachyonConfig.ignored_keys`; refused features are in `UNSUPPORTED
 """
 
 from .batch import resolve_batch_sizes
-from .config import TachyonConfig, load_config, parse_config
+from .config import TachyonConfig, load_config, parse_config, read_config_file
 from .errors import ConfigError
 from .keys import ACCEPTED_IGNORED_KEYS, OFF_VALUES, UNSUPPORTED_KEYS
 from .quantize_training import MoQConfig
@@ -66,4 +66,5 @@ __all__ = [
     "load_config",
     "parse_config",
     "resolve_batch_sizes",
+    "read_config_file",
 ]

@@ -147,7 +147,7 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _read_json(path: Path) -> Any:
+def read_config_file(path: Path) -> Any:
     """The file as JSON, or else as Hjson (comments, trailing commas, unquoted keys: the JSON
     superset DeepSpeed reads config files as): through the hjson package when it is installed (the
     reader DeepSpeed uses), else through tachyon's own reader (`tachyon.config.hjson`)."""
@@ -186,7 +186,7 @@ def _as_dict(config: Any) -> dict[str, Any]:
     if isinstance(config, TachyonConfig):
         return config.to_dict()
     if isinstance(config, (str, os.PathLike)):
-        config = _read_json(Path(config))
+        config = read_config_file(Path(config))
     elif isinstance(config, Mapping):
         config = copy.deepcopy(dict(config))
     else:

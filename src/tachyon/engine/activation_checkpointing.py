@@ -57,7 +57,6 @@ The ``activation_checkpointing`` config section (DeepSpeed's keys) maps onto it 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -72,7 +71,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from tachyon.config import ActivationCheckpointingConfig, ConfigError, TachyonConfig, load_config
+from tachyon.config import ActivationCheckpointingConfig, ConfigError, TachyonConfig, load_config, read_config_file
 from tachyon.fp8.checkpoint import fp8_checkpoint_context_fn
 
 __all__ = [
@@ -121,10 +120,7 @@ def _section_from(deepspeed_config: Any) -> ActivationCheckpointingConfig:
         path = Path(deepspeed_config)
         if not path.is_file():
             raise ConfigError(f"deepspeed_config: file not found: {str(path)!r}")
-        try:
-            deepspeed_config = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") from None
+        deepspeed_config = read_config_file(path)  # JSON, or Hjson as DeepSpeed reads config files
     if not isinstance(deepspeed_config, Mapping):
         raise ValueError(
             "deepspeed_config should be a TachyonConfig, a dict or a path to a JSON file; "
