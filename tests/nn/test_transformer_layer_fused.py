@@ -97,14 +97,14 @@ ROPE_CASES = {
 
 def _backends(triton_default: str, names) -> list:
     """(name, backend) cases: the torch backend for every name; the Triton interpreter (seconds per
-    case) for ``triton_default`` in the default suite and for the others under ``-m slow``."""
+    case) for ``triton_default`` (None: none) in the default suite and for the others under ``-m slow``."""
     cases = [pytest.param(name, "torch", id=f"{name}-torch") for name in names]
     cases += [pytest.param(name, "triton", id=f"{name}-triton",
                            marks=() if name == triton_default else pytest.mark.slow) for name in names]
     return cases
 
 
-@pytest.mark.parametrize("name,backend", _backends("llama-gqa-bshd-rope-half", ROPE_CASES))
+@pytest.mark.parametrize("name,backend", _backends(None, ROPE_CASES))  # Triton + RoPE by default: the padding test
 def test_one_node_with_rope_equals_module_path(backend, name):
     """RoPE (one table for queries and keys, TE's angle tensor or (cos, sin) tables): the one-node
     path runs the module path's packed RoPE (the QKV GEMM adds the bias, the attention op rotates
@@ -207,7 +207,8 @@ def test_one_node_under_autocast_equals_module_path(name, backend):
     assert all(p.grad.dtype == torch.float32 for p in one.parameters())
 
 
-@pytest.mark.parametrize("name,backend", [("gpt", "torch"), ("llama-gqa-bshd-p0", "torch"), ("gpt", "triton")])
+@pytest.mark.parametrize("name,backend", [("gpt", "torch"), ("llama-gqa-bshd-p0", "torch"),
+                                         pytest.param("gpt", "triton", marks=pytest.mark.slow)])
 def test_one_node_with_progressive_layer_drop_equals_module_path(name, backend):
     """Progressive layer drop: a kept layer scales both residual branches and their biases by 1 / p
     (the bias gradients after the deferred reductions); steps that drop the layer return x on both
