@@ -411,7 +411,11 @@ class FastKernel:
 
     def _form(self, types: tuple[type, ...], kw_names: tuple[str, ...]) -> _Form:
         form = _Form(self.jit, types, kw_names)
-        form.ok = form.ok and argument_key_holds(self._active_backend())
+        if form.ok:
+            try:
+                form.ok = argument_key_holds(self._active_backend())
+            except Exception:  # a Triton whose specializer or backend lookup differs: the binder decides
+                form.ok = False
         if len(self._forms) < 256:
             with self._lock:
                 self._forms[(types, *kw_names)] = form
