@@ -15,6 +15,12 @@ import torch
 from tachyon.kernels.launch import FastKernel, fast_launch
 from tests.utils.aot import run_without_interpreter
 
+def _script_results(script: str) -> dict:
+    """The JSON a script run without TRITON_INTERPRET prints on its ``RESULTS`` line."""
+    out = run_without_interpreter(script)
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULTS ")).removeprefix("RESULTS "))
+
+
 _CACHE_SCRIPT = r'''
 import json
 import torch
@@ -104,9 +110,7 @@ print("RESULTS", json.dumps(results))
 
 @pytest.fixture(scope="module")
 def cache_results():
-    out = run_without_interpreter(_CACHE_SCRIPT)
-    line = next(line for line in out.splitlines() if line.startswith("RESULTS "))
-    return json.loads(line.removeprefix("RESULTS "))
+    return _script_results(_CACHE_SCRIPT)
 
 
 def test_same_specialization_launches_without_recompiling_or_triton_run(cache_results):
@@ -263,9 +267,7 @@ print("RESULTS", json.dumps(results))
 
 @pytest.fixture(scope="module")
 def key_results():
-    out = run_without_interpreter(_KEY_SCRIPT)
-    line = next(line for line in out.splitlines() if line.startswith("RESULTS "))
-    return json.loads(line.removeprefix("RESULTS "))
+    return _script_results(_KEY_SCRIPT)
 
 
 def test_the_argument_key_selects_the_kernel_tritons_binder_selects(key_results):
@@ -371,8 +373,7 @@ _LAYER_SCRIPT = _LAYER_SCRIPT.replace("from tachyon.profiling.launch_stub import
 
 @pytest.fixture(scope="module")
 def stubbed_launches():
-    out = run_without_interpreter(_LAYER_SCRIPT)
-    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULTS ")).removeprefix("RESULTS "))
+    return _script_results(_LAYER_SCRIPT)
 
 
 def _interpreted_launches(fn) -> list[str]:

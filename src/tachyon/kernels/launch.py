@@ -183,11 +183,12 @@ class _Form:
 
 
 def _picker(positions: list[int]) -> Callable[[Sequence[Any]], tuple]:
-    """A C-level function returning the arguments at ``positions`` as a tuple (one position: the
-    argument twice, which keys the same; none: the empty slice)."""
-    if not positions:
-        return operator.itemgetter(slice(0, 0))
-    return operator.itemgetter(*positions) if len(positions) >= 2 else operator.itemgetter(positions[0], positions[0])
+    """A C-level function returning the arguments (a tuple) at ``positions`` as a tuple (one
+    position or none: a slice of the tuple)."""
+    if len(positions) >= 2:
+        return operator.itemgetter(*positions)
+    i = positions[0] if positions else 0
+    return operator.itemgetter(slice(i, i + len(positions)))
 
 
 _KEY_CHECK: bool | None = None  # argument_key_holds(), once per process
@@ -298,14 +299,7 @@ class FastKernel:
 
     def _tensor_picker(self, types: tuple[type, ...]) -> Callable[[Sequence[Any]], tuple]:
         """For positional arguments of these types: a C-level function picking the tensors out of them."""
-        positions = [i for i, t in enumerate(types) if issubclass(t, _Tensor)]
-        if len(positions) >= 2:
-            pick = operator.itemgetter(*positions)
-        elif positions:
-            i = positions[0]
-            pick = lambda args: (args[i],)  # noqa: E731
-        else:
-            pick = lambda args: ()  # noqa: E731
+        pick = _picker([i for i, t in enumerate(types) if issubclass(t, _Tensor)])
         if len(self._pickers) < 64:
             self._pickers[types] = pick
         return pick

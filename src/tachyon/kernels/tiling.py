@@ -219,7 +219,7 @@ def sum_partials(part: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Te
     queue = _deferred.queue
     if queue is not None:
         queue.append((args, grid, block_p, block_n))
-        if triton_interpreting():  # tests: a read before the block ends sees NaN, not stale memory
+        if _INTERPRETING:  # tests: a read before the block ends sees NaN, not stale memory
             for out in outs:
                 out.fill_(float("nan"))
         return outs
@@ -232,7 +232,19 @@ class _Deferred(threading.local):
 
 
 _deferred = _Deferred()
+_INTERPRETING = triton_interpreting()  # fixed when Triton is imported (tachyon.backend)
 MAX_SEGMENTS = 5  # reductions per _sum_segments_kernel launch
+
+
+@contextlib.contextmanager
+def _queue_scope(queue: list | None) -> Iterator[None]:
+    """This thread's queue of deferred reductions is ``queue`` within (None: launch at once)."""
+    outer = _deferred.queue
+    _deferred.queue = queue
+    try:
+        yield
+    finally:
+        _deferred.queue = outer
 
 
 @contextlib.contextmanager
@@ -243,28 +255,17 @@ def deferred_sums() -> Iterator[None]:
     same bits as its own launch would give). Code inside must not read those outputs before the
     block ends (a layer's backward that only returns its bias and norm-weight gradients); code that
     does reads them inside :func:`immediate_sums`. On an exception nothing is launched."""
-    outer = _deferred.queue
     queue: list = []
-    _deferred.queue = queue
-    try:
+    with _queue_scope(queue):
         yield
-    finally:
-        _deferred.queue = outer
-    # only reached without an exception
-    for start in range(0, len(queue), MAX_SEGMENTS):
+    for start in range(0, len(queue), MAX_SEGMENTS):  # only reached without an exception
         _sum_segments(queue[start:start + MAX_SEGMENTS])
 
 
-@contextlib.contextmanager
-def immediate_sums() -> Iterator[None]:
+def immediate_sums() -> contextlib.AbstractContextManager[None]:
     """Within (this thread): :func:`sum_partials` launches at once even inside :func:`deferred_sums`,
     for code that reads the sums it gets (e.g. casts them) before returning them."""
-    outer = _deferred.queue
-    _deferred.queue = None
-    try:
-        yield
-    finally:
-        _deferred.queue = outer
+    return _queue_scope(None)
 
 
 def _sum_segments(segments: list) -> None:

@@ -51,7 +51,7 @@ from tachyon.kernels.tiling import deferred_sums
 from tachyon.nn.attention import ATTN_MASK_TYPES, DotProductAttention, MultiheadAttention
 from tachyon.nn.layernorm_linear import LayerNormLinear, norm_weight
 from tachyon.nn.layernorm_mlp import _KERNEL_NAME, LayerNormMLP
-from tachyon.nn.linear import Linear
+from tachyon.nn.linear import Linear, compute_dtype
 from tachyon.nn.rope import rotary_tables
 
 _is_compiling = torch.compiler.is_compiling
@@ -150,7 +150,7 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
     cast = False
     for p in params:
         if p is not None and (p.dtype != dtype or p.device != x.device):
-            if p.device != x.device or not p.is_floating_point() or not _autocast_to(x, dtype):
+            if p.device != x.device or not p.is_floating_point() or compute_dtype(p, x) != dtype:
                 return None  # the module path's checks and errors
             cast = True
     rms = qkv.normalization == "RMSNorm"
@@ -208,13 +208,6 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
 
 
 _NORM_WEIGHTS = (0, 6)  # positions of the two norms' weights in _params
-
-
-def _autocast_to(x: Tensor, dtype: torch.dtype) -> bool:
-    """torch.autocast is on for x's device and casts to ``dtype`` (what the module path computes in)."""
-    device_type = x.device.type
-    return (device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
-            and torch.get_autocast_dtype(device_type) == dtype)
 
 
 def _params(layer) -> tuple[Tensor | None, ...]:

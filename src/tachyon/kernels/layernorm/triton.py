@@ -173,20 +173,12 @@ def norm_fwd(
     mean = torch.empty(m if store_mean else 0, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     block_n, num_warps = row_config(n)
-    if launch._wrapping:  # traced: unused pointers get tensors of their own (module docstring)
-        _norm_fwd_kernel[(m,)](
-            x, residual if residual is not None else x.new_empty(0), weight,
-            bias if bias is not None else weight.new_empty(0), y, z if z is not None else y.new_empty(0),
-            mean if store_mean else rstd.new_empty(0), rstd,
-            x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
-            z.stride(0) if z is not None else 0, n, eps,
-            IS_RMS=is_rms, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-            STORE_Z=residual is not None, STORE_MEAN=store_mean, BLOCK_N=block_n, num_warps=num_warps,
-        )
-        return y, z, mean, rstd
+    # an unused pointer: another argument eagerly (no allocation), a tensor of its own when traced
+    # (module docstring)
+    x_, w_, y_, r_ = (t.new_empty(0) for t in (x, weight, y, rstd)) if launch._wrapping else (x, weight, y, rstd)
     _norm_fwd_kernel[(m,)](
-        x, residual if residual is not None else x, weight, bias if bias is not None else weight,
-        y, z if z is not None else y, mean if store_mean else rstd, rstd,
+        x, residual if residual is not None else x_, weight, bias if bias is not None else w_,
+        y, z if z is not None else y_, mean if store_mean else r_, rstd,
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         z.stride(0) if z is not None else 0,
         n, eps,
