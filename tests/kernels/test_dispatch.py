@@ -124,7 +124,35 @@ def on_sm90(monkeypatch):
     monkeypatch.setattr(dispatch, "arch_of", lambda t: "sm_90")
     real = dispatch.choose
     monkeypatch.setattr(dispatch, "choose", lambda op, t, cls, backward: table.get(op) or real(op, t, cls, backward))
+    monkeypatch.setattr(dispatch, "_CHOICES", _Unremembered())  # the tests change ``table`` between calls
     return table
+
+
+class _Unremembered(dict):
+    """A choose_by cache that keeps nothing: every call asks choose (the fixtures' overridden table)."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def test_choose_by_remembers_each_calls_choice_and_asks_again_for_a_new_architecture(monkeypatch):
+    asked = []
+    monkeypatch.setattr(dispatch, "arch_of", lambda t: asked.append(t) or "sm_90")
+    monkeypatch.setattr(dispatch, "_CHOICES", {})
+    x = torch.empty(3, 1024, dtype=torch.bfloat16)
+    eager = dispatch.choose_by("layer_norm", x, dispatch.norm_class, (1024,), True)
+    assert eager == dispatch.TWIN and len(asked) == 1  # the measured table: torch's op eagerly
+    assert dispatch.choose_by("layer_norm", x, dispatch.norm_class, (1024,), True) == eager and len(asked) == 1
+    with dispatch.graph_capture_choices():  # graph timing is part of the key: the kernel there
+        assert dispatch.choose_by("layer_norm", x, dispatch.norm_class, (1024,), True) == dispatch.TRITON
+    assert len(asked) == 2
+    for args, backward, dtype in (((1024,), False, torch.bfloat16), ((512,), True, torch.bfloat16),
+                                  ((1024,), True, torch.float16)):  # each fact a key of its own, as choose says
+        y = x.to(dtype)
+        assert dispatch.choose_by("layer_norm", y, dispatch.norm_class, args, backward) == \
+            dispatch.choose("layer_norm", y, dispatch.norm_class(*args), backward)
+    monkeypatch.setattr(dispatch, "arch_of", lambda t: "sm_80")  # nothing measured there: asked again, the twin
+    assert dispatch.choose_by("rms_norm", x.half(), dispatch.norm_class, (1024,), False) == dispatch.TWIN
 
 
 def _grads(fn, *tensors):

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -256,6 +256,25 @@ def choose(op: str, tensor: torch.Tensor, shape_class: str, backward: bool) -> s
     return _IMPL.get(key, TWIN)
 
 
+_CHOICES: dict[tuple, str] = {}
+_is_compiling = torch.compiler.is_compiling  # choose_by's answers; arch_of (the function) is part of the key
+
+
+def choose_by(op: str, tensor: torch.Tensor, classify: Callable[..., str], args: tuple, backward: bool) -> str:
+    """:func:`choose` for the shape class ``classify(*args)``, remembered per op, device, dtype, ``args``,
+    mode, timing and :func:`arch_of` itself (so that a replaced ``arch_of`` asks again): an eager call
+    seen before costs one dict lookup instead of the architecture query and the class's string."""
+    if _is_compiling():  # torch.compile traces choose itself (a cache filled while tracing would recompile)
+        return choose(op, tensor, classify(*args), backward)
+    key = (op, tensor.device, tensor.dtype, args, backward, _graph_depth, arch_of)
+    choice = _CHOICES.get(key)
+    if choice is None:
+        if len(_CHOICES) >= 4096:  # many distinct shapes (inference with varying lengths): start over
+            _CHOICES.clear()
+        choice = _CHOICES[key] = choose(op, tensor, classify(*args), backward)
+    return choice
+
+
 def needs_backward(*tensors: torch.Tensor | None) -> bool:
     """Whether a call on these tensors will be differentiated: grad mode on and one of them requires grad."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -273,5 +292,5 @@ def describe(arch: str | None = None) -> list[str]:
 
 
 __all__ = ["EAGER", "FWD", "FWD_BWD", "GRAPH", "TABLE", "TRITON", "TWIN", "Choice", "Evidence", "Row", "arch_of",
-           "attention_class", "choose", "describe", "graph_capture_choices", "lookup", "mlp_class", "needs_backward",
+           "attention_class", "choose", "choose_by", "describe", "graph_capture_choices", "lookup", "mlp_class", "needs_backward",
            "norm_class", "timing"]

@@ -194,8 +194,8 @@ def plan_for(layer, x: Tensor, attention_mask, self_attn_mask_type, rotary_pos_e
     else:
         twin_ok = _twin_applies(x, ln_w, ln_b, None)
     norm_twin = be_norm == "triton" and auto_on_cuda(x, qkv.backend) and twin_ok and (
-        dispatch.choose("rms_norm" if rms else "layer_norm", x, dispatch.norm_class(n),
-                        dispatch.needs_backward(x, ln_w, ln_b)) == dispatch.TWIN)
+        dispatch.choose_by("rms_norm" if rms else "layer_norm", x, dispatch.norm_class, (n,),
+                           dispatch.needs_backward(x, ln_w, ln_b)) == dispatch.TWIN)
     if norm_twin and (rms or cast):
         return None  # torch's RMSNorm there, or torch's norm under autocast (its fp32 policy): the module path
     return Plan(

@@ -230,8 +230,8 @@ def attention(
     # the torch twin (SDPA) where measured faster: only without dropout (tachyon's seeded mask) and
     # padding, and without causal rows that see no key (tachyon returns zeros there, SDPA need not)
     if chosen == "triton" and float(dropout_p) == 0.0 and key_padding_bias is None and not (causal and seq_q > seq_k) \
-            and auto_on_cuda(q, backend) and dispatch.choose(
-                "attention", q, dispatch.attention_class(causal, seq_q, seq_k, head_dim),
+            and auto_on_cuda(q, backend) and dispatch.choose_by(
+                "attention", q, dispatch.attention_class, (causal, seq_q, seq_k, head_dim),
                 dispatch.needs_backward(q, k, v)) == dispatch.TWIN:
         return reference.sdpa_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
     if chosen == "triton" and head_dim > MAX_TRITON_HEAD_DIM:

@@ -25,7 +25,8 @@ from tachyon.kernels.registry import fused_op
 _triton = lazy_module("tachyon.kernels.layernorm.triton")  # imported on first use (it imports Triton)
 
 MAX_TRITON_N = 65536  # one row is one Triton block
-_PLAIN = (Tensor, torch.nn.Parameter)  # other tensor types take the detailed checks (which accept subclasses)
+_PLAIN = (Tensor, torch.nn.Parameter)
+_choose, norm_class, TWIN, _grad_enabled = dispatch.choose_by, dispatch.norm_class, dispatch.TWIN, torch.is_grad_enabled  # other tensor types take the detailed checks (which accept subclasses)
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -177,21 +178,26 @@ def _fused_norm(
     op: str, x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None, eps: float,
     is_rms: bool, return_residual: bool, invertible: bool, backend: str | None,
 ):
-    # the valid case in one expression (host time: no call per check); anything else gets the named error
-    if not (type(x) in _PLAIN and x.dim() and x.dtype in SUPPORTED_DTYPES and type(weight) in _PLAIN
-            and weight.dtype in SUPPORTED_DTYPES and weight.shape == x.shape[-1:] and weight.device == x.device
+    # the valid case in one expression, each attribute read once (host time: no call per check);
+    # anything else gets the named error
+    if not (type(x) in _PLAIN and x.dim() and (dtype := x.dtype) in SUPPORTED_DTYPES and type(weight) in _PLAIN
+            and weight.dtype in SUPPORTED_DTYPES and weight.shape == (n := x.shape[-1],)
+            and weight.device == (device := x.device)
             and (bias is None or (type(bias) in _PLAIN and bias.dtype in SUPPORTED_DTYPES
-                                  and bias.shape == weight.shape and bias.device == x.device))
+                                  and bias.shape == (n,) and bias.device == device))
             and (residual is None or (type(residual) in _PLAIN and residual.shape == x.shape
-                                      and residual.dtype == x.dtype and residual.device == x.device))
+                                      and residual.dtype == dtype and residual.device == device))
             and eps >= 0):
         _check_norm_args(op, x, weight, bias, residual, eps)
-    n = x.shape[-1]
     chosen = resolve(x, backend)
-    if chosen == "triton" and auto_on_cuda(x, backend) and weight.dtype == x.dtype \
-            and (bias is None or bias.dtype == x.dtype) \
-            and dispatch.choose(op, x, dispatch.norm_class(n), dispatch.needs_backward(x, weight, bias, residual)) \
-            == dispatch.TWIN:  # (the condition of _twin_applies, inline)
+    if chosen == "triton" and auto_on_cuda(x, backend) and weight.dtype == dtype \
+            and (bias is None or bias.dtype == dtype) \
+            and _choose(op, x, norm_class, (n,), _grad_enabled() and (
+                x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+                or (residual is not None and residual.requires_grad))) == TWIN:
+        # (the condition of _twin_applies and dispatch.needs_backward, inline: host time)
+        if residual is None and not return_residual:  # _torch_twin's plain case, without its call
+            return torch.rms_norm(x, (n,), weight, eps) if is_rms else torch.layer_norm(x, (n,), weight, bias, eps)
         return _torch_twin(x, weight, bias, residual, eps, is_rms, return_residual)
     if chosen == "triton" and n > MAX_TRITON_N:
         raise ValueError(f"{op}: the Triton kernel handles rows of up to {MAX_TRITON_N} elements; got {n} (use backend='torch')")

@@ -50,8 +50,8 @@ def gemm_backend(x: Tensor, backend: str | None, features: int, *params: Tensor 
     the block's (or layer's) parameters, which decide with x whether the call will be differentiated;
     looked at only when the table is consulted."""
     chosen = resolve(x, backend)
-    if chosen == "triton" and auto_on_cuda(x, backend) and dispatch.choose(
-            OP, x, dispatch.mlp_class(x.numel() // max(x.shape[-1], 1), x.shape[-1], features),
+    if chosen == "triton" and auto_on_cuda(x, backend) and dispatch.choose_by(
+            OP, x, dispatch.mlp_class, (x.numel() // max(x.shape[-1], 1), x.shape[-1], features),
             dispatch.needs_backward(x, *params)) == dispatch.TWIN:
         return CUBLAS
     return chosen
