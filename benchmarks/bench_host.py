@@ -187,11 +187,16 @@ def layer_units() -> dict[str, tuple[Callable, Callable]]:
             _fwd_bwd(lambda layer=layer: layer(x, mask), list(layer.parameters())),
             _fwd_bwd(lambda: hf(x, attention_mask=hf_mask), list(hf.parameters())),
         )
+        units[f"BERT layer {label} fwd (grad on)"] = (lambda layer=layer: layer(x, mask),
+                                                      lambda: hf(x, attention_mask=hf_mask))
     xs = torch.randn(SEQ, BATCH, HIDDEN)
     te = tnn.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.1, attention_dropout=0.1).train()
     basic = BasicTransformerLayer(HIDDEN, FFN, HEADS).train()
     units["TE TransformerLayer fwd+bwd"] = (_fwd_bwd(lambda: te(xs), list(te.parameters())),
                                             _fwd_bwd(lambda: basic(xs), list(basic.parameters())))
+    # its forward alone (grad on: what the training step's forward costs, the saved tensors included);
+    # the backward's share is the fwd+bwd row minus this one
+    units["TE TransformerLayer fwd (grad on)"] = (lambda: te(xs), lambda: basic(xs))
     # the same layer through its submodules (one_node_eager=False: the path torch.compile traces)
     modules = copy.deepcopy(te)
     modules.one_node_eager = False

@@ -234,6 +234,7 @@ class _Deferred(threading.local):
 _deferred = _Deferred()
 _INTERPRETING = triton_interpreting()  # fixed when Triton is imported (tachyon.backend)
 MAX_SEGMENTS = 5  # reductions per _sum_segments_kernel launch
+_BLOCK_NAMES = tuple((f"{c}_BP", f"{c}_BN") for c in "ABCDE")  # each segment's block constexprs
 
 
 @contextlib.contextmanager
@@ -280,10 +281,10 @@ def _sum_segments(segments: list) -> None:
         flat += args
         if k < MAX_SEGMENTS - 1:
             flat.append(end)
-        blocks[f"{'ABCDE'[k]}_BP"], blocks[f"{'ABCDE'[k]}_BN"] = block_p, block_n
+        blocks[_BLOCK_NAMES[k][0]], blocks[_BLOCK_NAMES[k][1]] = block_p, block_n
     for k in range(len(segments), MAX_SEGMENTS):  # unused segments: never reached (SEGMENTS), any valid tensors
         flat += segments[0][0]
         if k < MAX_SEGMENTS - 1:
             flat.append(end)
-        blocks[f"{'ABCDE'[k]}_BP"], blocks[f"{'ABCDE'[k]}_BN"] = 1, 1
+        blocks[_BLOCK_NAMES[k][0]], blocks[_BLOCK_NAMES[k][1]] = 1, 1
     _sum_segments_kernel[(end,)](*flat, SEGMENTS=len(segments), **blocks, num_warps=4)
