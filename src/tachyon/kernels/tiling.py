@@ -21,6 +21,7 @@ import triton.language as tl
 
 from tachyon.backend import triton_interpreting
 from tachyon.kernels.ints import cdiv, next_power_of_2
+from tachyon.kernels import launch
 from tachyon.kernels.launch import fast_launch
 
 TILE = 4096  # elements per program tile: 16-32 per thread at 4-8 warps
@@ -204,7 +205,10 @@ def sum_partials(part: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Te
     """Column sums of each group of ``part`` (fp32 [P, G * n], see :func:`partials`) over its P
     rows, in fp32 and stored in ``dtypes[g]``: G tensors [n] from ONE launch (summing each group
     with torch would be a launch per group, plus one per cast). Deterministic (a fixed order).
-    Inside :func:`deferred_sums` the outputs are returned unwritten and the reduction is queued."""
+    Inside :func:`deferred_sums` the outputs are returned unwritten and the reduction is queued.
+    Traced by torch.compile (``launch.wrapped_launches``) the reduction is launched at once, every
+    output pointer a tensor of its own (torch functionalizes a traced kernel by cloning the
+    arguments it writes: one output passed for two pointers would be written back twice)."""
     groups = len(dtypes)
     p, width = part.shape if part.dim() == 2 else (0, -1)
     if not 1 <= groups <= 3 or width < 0 or width % groups:
@@ -215,6 +219,11 @@ def sum_partials(part: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Te
         return outs
     grid, block_p, block_n = _sum_geometry(p, n, groups, gpu_sms(device))
     out0 = outs[0]
+    if launch._wrapping:  # traced (kernels/launch.py): each output pointer a tensor of its own, launched at once
+        spare = [out0.new_empty(0) for _ in range(3 - groups)]
+        _sum_partials_kernel[grid](part, *outs, *spare, p, n, part.stride(0), BLOCK_P=block_p, BLOCK_N=block_n,
+                                   num_warps=4)
+        return outs
     args = (part, out0, outs[1] if groups > 1 else out0, outs[2] if groups > 2 else out0, p, n, part.stride(0))
     queue = _deferred.queue
     if queue is not None:
