@@ -206,24 +206,23 @@ def sum_partials(part: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Te
     rows, in fp32 and stored in ``dtypes[g]``: G tensors [n] from ONE launch (summing each group
     with torch would be a launch per group, plus one per cast). Deterministic (a fixed order).
     Inside :func:`deferred_sums` the outputs are returned unwritten and the reduction is queued.
-    Traced by torch.compile (``launch.wrapped_launches``) the reduction is launched at once, every
-    output pointer a tensor of its own (torch functionalizes a traced kernel by cloning the
-    arguments it writes: one output passed for two pointers would be written back twice)."""
+    Traced by torch.compile (``launch.wrapped_launches``) the sums are torch's (in fp32, then
+    cast), computed at once: a reduction the compiler handles for any number of rows (the kernel's
+    BLOCK_P, a constexpr, would fix P), and no output passed for two pointers (torch
+    functionalizes a traced kernel by cloning the arguments it writes and writing them back)."""
     groups = len(dtypes)
     p, width = part.shape if part.dim() == 2 else (0, -1)
     if not 1 <= groups <= 3 or width < 0 or width % groups:
         raise ValueError(f"sum_partials: part [P, G * n] with G in 1..3 groups; got shape {tuple(part.shape)}, G={groups}")
     n, device = width // groups, part.device
+    if launch._wrapping:  # traced (kernels/launch.py): torch's reduction, at once
+        sums = part.reshape(p, groups, n).sum(0)
+        return [sums[g].to(dt) for g, dt in enumerate(dtypes)]
     outs = [torch.empty(n, dtype=dt, device=device) for dt in dtypes]
     if n == 0:
         return outs
     grid, block_p, block_n = _sum_geometry(p, n, groups, gpu_sms(device))
     out0 = outs[0]
-    if launch._wrapping:  # traced (kernels/launch.py): each output pointer a tensor of its own, launched at once
-        spare = [out0.new_empty(0) for _ in range(3 - groups)]
-        _sum_partials_kernel[grid](part, *outs, *spare, p, n, part.stride(0), BLOCK_P=block_p, BLOCK_N=block_n,
-                                   num_warps=4)
-        return outs
     args = (part, out0, outs[1] if groups > 1 else out0, outs[2] if groups > 2 else out0, p, n, part.stride(0))
     queue = _deferred.queue
     if queue is not None:
