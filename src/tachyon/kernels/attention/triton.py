@@ -72,7 +72,7 @@ from tachyon.backend import triton_interpreting
 from tachyon.kernels.random.reference import dropout_threshold
 from tachyon.kernels.random.triton import keep_tile, load_seed, seed_args
 from tachyon.kernels.tiling import immediate_sums, partials, sum_partials
-from tachyon.kernels.ints import cdiv, next_power_of_2
+from tachyon.kernels.ints import cdiv, next_power_of_2, next_power_of_2_by_comparison
 from tachyon.kernels import launch
 from tachyon.kernels.launch import fast_launch
 
@@ -587,7 +587,8 @@ def _common(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, causal:
         HAS_QKV_BIAS=qkv_bias is not None,
         BLOCK_D=block_d, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # fp32: no tf32 rounding
     )
-    bucket = next_power_of_2(max(seq_q, seq_k))
+    # traced: the sequence lengths may be symbolic; the bucket then guards on its range, not on them
+    bucket = (next_power_of_2_by_comparison if launch._wrapping else next_power_of_2)(max(seq_q, seq_k))
     inv_keep = 1.0 / (1.0 - dropout_p)
     return batch, heads, kv_heads, seq_q, seq_k, bucket, inv_keep, flags
 
