@@ -227,8 +227,9 @@ def _steps(fn, shapes, make):
 
 
 def test_changed_rows_recompile_once_then_never():
-    """A new row count: one recompile, with the rows symbolic; later row counts reuse that graph
-    (before: sum_partials' cached geometry took the symbolic row count and the compile failed)."""
+    """A new row count: one recompile, with the rows symbolic; later row counts reuse that graph.
+    Guards the traced launchers against concrete-only host code: a symbolic row count handed to a
+    cached helper (sum_partials' launch geometry, an lru_cache) fails the compile."""
     torch.manual_seed(0)
     b = torch.randn(H, requires_grad=True)
 
@@ -242,7 +243,8 @@ def test_changed_rows_recompile_once_then_never():
 @pytest.mark.slow
 def test_changed_sequence_length_recompiles_per_power_of_two_bucket():
     """Attention's kernels take the sequence length's power-of-two bucket (their autotuning key):
-    a traced call guards on the bucket, not on the length (before: on the length itself)."""
+    a traced call guards on the bucket, not on the length (computed with ints.next_power_of_2,
+    whose bit_length specializes on the exact length, every new length recompiled)."""
     seed = torch.tensor(3)
 
     def fn(q, k, v):
