@@ -220,6 +220,18 @@ def test_compiled_gpu_path_every_layer_and_op():
             r = results[_key(name, "aot_eager", sm90)]
             # Triton: the kernels in the graph; auto on sm_90: fp32 is not measured, torch's twin
             assert r["aot kernel nodes"] == ([0, 0] if sm90 else [1, 1]), (name, sm90, r)
+    # the other ops on Triton: their kernels in the AOT graphs, and torch's analysis of the kernels
+    # lowered for sm_90 clones only what each writes (its outputs: no input, no two aliasing arguments)
+    attention = ([1, 2], [["OUT", "LSE"], ["DELTA", "DQ"], ["DK", "DV"]])
+    for name, (nodes, cloned) in {
+        "bias_act": ([1, 1], [["Y"], ["DX", "DB_PART"]]),
+        "bias_dropout_add_layer_norm": ([1, 1], [["Y", "Z", "MEAN", "RSTD"],
+                                                 ["DX", "DRES", "DW_PART", "DLNB_PART", "DB_PART"]]),
+        "attention": attention, "attention+dropout": attention,
+        "mlp": ([1, 1], [["OUT", "PRE"], ["OUT", "PART"]]),
+    }.items():
+        r = results[_key(name, "aot_eager", False)]
+        assert (r["aot kernel nodes"], r["cloned"]) == (nodes, cloned), (name, r)
 
 
 # ---- Triton's interpreter: the kernels in the compiled graph, results as eager ----

@@ -18,4 +18,13 @@ def next_power_of_2(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
-__all__ = ["cdiv", "next_power_of_2"]
+def next_power_of_2_by_comparison(n) -> int:
+    """next_power_of_2 by comparisons only: for a symbolic size under torch.compile, which then
+    guards on the range the power of two covers (n in (b/2, b]) instead of on n's exact value."""
+    b = 1
+    while b < n:
+        b *= 2
+    return 0 if n <= 0 else b
+
+
+__all__ = ["cdiv", "next_power_of_2", "next_power_of_2_by_comparison"]

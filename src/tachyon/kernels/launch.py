@@ -38,7 +38,10 @@ the traced graph holds the Triton kernels themselves (``triton_kernel_wrapper_fu
 which Inductor compiles and launches with its own code). Under the interpreter, the kernel given
 to ``wrap_triton`` is a ``JITFunction`` over the same Python function whose launch runs the
 interpreter (torch's ``wrap_triton`` leaves an interpreted kernel untraced: it would run on fake
-tensors).
+tensors), under an Autotuner with the same configs where the kernel is autotuned. torch finds
+which arguments a traced kernel writes by lowering it for the GPU target; under the interpreter
+there is none, so torch takes every tensor argument as written (cloned before the kernel and
+written back after it; kernels/registry.py gives such a traced op copies of its read-only inputs).
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ def _interpreted_jit_class() -> type:
 
 def traceable_kernel(kernel: Any) -> Any:
     """The kernel ``wrap_triton`` takes for ``kernel`` (a ``@triton.jit`` / ``@triton.autotune``
-    kernel, or an interpreted ``@triton.jit`` one); raises where there is none."""
+    kernel, or an interpreted ``@triton.jit`` / ``@triton.autotune`` one); raises where there is none."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
@@ -137,9 +140,16 @@ def traceable_kernel(kernel: Any) -> Any:
         return kernel
     if type(kernel).__name__ == "InterpretedFunction" and hasattr(kernel, "fn"):
         return _interpreted_jit_class()(kernel)
+    if isinstance(kernel, Autotuner) and type(kernel.fn).__name__ == "InterpretedFunction":
+        # an autotuned kernel under the interpreter: the same configs, key and pruning over the twin
+        import triton
+
+        return triton.autotune(configs=kernel.configs, key=kernel.keys, prune_configs_by={
+            "early_config_prune": kernel.early_config_prune, "perf_model": kernel.perf_model,
+            "top_k": kernel.configs_top_k})(_interpreted_jit_class()(kernel.fn))
     raise RuntimeError(
         f"{getattr(kernel, '__name__', type(kernel).__name__)}: torch.library.wrap_triton traces @triton.jit and "
-        "@triton.autotune kernels (and, under TRITON_INTERPRET=1, @triton.jit ones); this one is neither, so it "
+        "@triton.autotune kernels (and, under TRITON_INTERPRET=1, interpreted ones); this one is neither, so it "
         "cannot be traced into a torch.compile graph"
     )
 

@@ -64,7 +64,7 @@ class FusedOp:
         self.name, self.impl = name, impl
         self.triton_op = triton_op and _triton_imports()
         if self.triton_op:
-            self.custom_op = torch.library.triton_op(name, mutates_args=mutates_args)(_traced(impl))
+            self.custom_op = torch.library.triton_op(name, mutates_args=mutates_args)(_traced(impl, mutates_args))
         else:
             self.custom_op = torch.library.custom_op(name, mutates_args=mutates_args)(impl)
         self._function: type[torch.autograd.Function] | None = None
@@ -122,16 +122,31 @@ def _triton_imports() -> bool:
     return triton_import_error() is None
 
 
-def _traced(impl: Callable[..., Any]) -> Callable[..., Any]:
+def _traced(impl: Callable[..., Any], mutates_args: tuple[str, ...] | str = ()) -> Callable[..., Any]:
     """``impl`` for ``torch.library.triton_op``: its Triton launches inside ``wrapped_launches``.
-    Carries impl's signature with the annotations evaluated (triton_op infers the schema from it)."""
-    from tachyon.kernels.launch import wrapped_launches
+    Carries impl's signature with the annotations evaluated (triton_op infers the schema from it).
+
+    Traced under Triton's interpreter, the tensor arguments the op does not mutate are given to
+    ``impl`` as copies: there torch cannot lower a kernel to find which arguments it writes
+    (kernels/launch.py), takes every argument as written and writes each back after the kernel,
+    and a write-back into an input of the compiled graph from its backward part (a leaf such as
+    a seed or mask tensor read by a backward kernel) is one AOTAutograd cannot partition. On a
+    GPU torch's analysis finds the written arguments, and nothing is copied."""
+    from tachyon.backend import triton_interpreting
+    from tachyon.kernels import launch
+
+    signature = inspect.signature(impl, eval_str=True)
+    mutated = set(signature.parameters) if isinstance(mutates_args, str) else set(mutates_args)
+    read_only = [name not in mutated for name in signature.parameters]
+    interpreting = triton_interpreting()
 
     def traced(*args: Any, **kwargs: Any) -> Any:
-        with wrapped_launches():
+        with launch.wrapped_launches():
+            if interpreting and launch._wrapping:
+                args = tuple(a.clone() if ro and isinstance(a, _Tensor) else a for a, ro in zip(args, read_only))
             return impl(*args, **kwargs)
 
-    traced.__signature__ = inspect.signature(impl, eval_str=True)  # type: ignore[attr-defined]
+    traced.__signature__ = signature  # type: ignore[attr-defined]
     traced.__name__ = traced.__qualname__ = impl.__name__
     traced.__module__ = impl.__module__
     return traced

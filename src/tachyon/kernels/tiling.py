@@ -21,6 +21,7 @@ import triton.language as tl
 
 from tachyon.backend import triton_interpreting
 from tachyon.kernels.ints import cdiv, next_power_of_2
+from tachyon.kernels import launch
 from tachyon.kernels.launch import fast_launch
 
 TILE = 4096  # elements per program tile: 16-32 per thread at 4-8 warps
@@ -204,12 +205,19 @@ def sum_partials(part: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Te
     """Column sums of each group of ``part`` (fp32 [P, G * n], see :func:`partials`) over its P
     rows, in fp32 and stored in ``dtypes[g]``: G tensors [n] from ONE launch (summing each group
     with torch would be a launch per group, plus one per cast). Deterministic (a fixed order).
-    Inside :func:`deferred_sums` the outputs are returned unwritten and the reduction is queued."""
+    Inside :func:`deferred_sums` the outputs are returned unwritten and the reduction is queued.
+    Traced by torch.compile (``launch.wrapped_launches``) the sums are torch's (in fp32, then
+    cast), computed at once: a reduction the compiler handles for any number of rows (the kernel's
+    BLOCK_P, a constexpr, would fix P), and no output passed for two pointers (torch
+    functionalizes a traced kernel by cloning the arguments it writes and writing them back)."""
     groups = len(dtypes)
     p, width = part.shape if part.dim() == 2 else (0, -1)
     if not 1 <= groups <= 3 or width < 0 or width % groups:
         raise ValueError(f"sum_partials: part [P, G * n] with G in 1..3 groups; got shape {tuple(part.shape)}, G={groups}")
     n, device = width // groups, part.device
+    if launch._wrapping:  # traced (kernels/launch.py): torch's reduction, at once
+        sums = part.reshape(p, groups, n).sum(0)
+        return [sums[g].to(dt) for g, dt in enumerate(dtypes)]
     outs = [torch.empty(n, dtype=dt, device=device) for dt in dtypes]
     if n == 0:
         return outs

@@ -42,7 +42,7 @@ def _out_features(x: Tensor, activation: str) -> int:
     return x.shape[-1] // 2 if is_gated(activation) else x.shape[-1]
 
 
-@fused_op("tachyon::bias_act_fwd", mutates_args=())
+@fused_op("tachyon::bias_act_fwd", mutates_args=(), triton_op=True)
 def _bias_act_fwd(x: Tensor, bias: Tensor | None, activation: str, backend: str) -> Tensor:
     """x: [M, K] contiguous, bias: [K] or None -> y: [M, F]."""
     if backend == "triton":
@@ -56,7 +56,7 @@ def _(x, bias, activation, backend):
     return x.new_empty((x.shape[0], _out_features(x, activation)))
 
 
-@fused_op("tachyon::bias_act_bwd", mutates_args=())
+@fused_op("tachyon::bias_act_bwd", mutates_args=(), triton_op=True)
 def _bias_act_bwd(dy: Tensor, x: Tensor, bias: Tensor | None, activation: str, backend: str) -> tuple[Tensor, Tensor]:
     """dy: [M, F], x: [M, K]. Returns (dx [M, K], dbias [K] or an empty tensor)."""
     impl = reference.bias_act_backward

@@ -8,6 +8,11 @@ Backward: each program owns a column block and walks a contiguous range of rows,
 act'(h) from x and the bias (y is never read), writing dx = dy * act'(h) (gated: d_a = dy * g *
 act'(a), d_g = dy * act(a)) and accumulating the column sums of dx in fp32 into a per-program row
 of partial bias gradients that the launcher sums. The activations' closed forms are in reference.py.
+
+Traced by torch.compile (inside ``launch.wrapped_launches``, see kernels/registry.py), a pointer
+the kernel does not touch (no bias) is a tensor of its own instead of another argument: torch
+functionalizes a traced kernel by cloning each argument it may write and writing the clones back,
+so two arguments that alias would be written back over each other.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import triton.language as tl
 from tachyon.kernels.activation.reference import GATED
 from tachyon.kernels.tiling import partials, row_split, sum_partials, tiles
 from tachyon.kernels.ints import cdiv
+from tachyon.kernels import launch
 from tachyon.kernels.launch import fast_launch
 
 # activation name -> the constexpr code the kernels switch on (gated names use their gate's code)
@@ -165,9 +171,14 @@ def bias_act_fwd(x: torch.Tensor, bias: torch.Tensor | None, activation: str) ->
         return y
     block_m, block_n, num_warps = tiles(f)
     grid = (cdiv(m, block_m), cdiv(f, block_n))
+    if bias is None:  # an unused pointer: x eagerly, a tensor of its own when traced (module docstring)
+        bias = x.new_empty(0) if launch._wrapping else x
+        has_bias = False
+    else:
+        has_bias = True
     _bias_act_fwd_kernel[grid](
-        x, bias if bias is not None else x, y, m, f, x.stride(0), y.stride(0),
-        ACT=_code(activation), GATED=gated, HAS_BIAS=bias is not None,
+        x, bias, y, m, f, x.stride(0), y.stride(0),
+        ACT=_code(activation), GATED=gated, HAS_BIAS=has_bias,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return y
@@ -187,8 +198,12 @@ def bias_act_bwd(
     col_blocks = cdiv(f, block_n)
     programs, rows_per_program = row_split(m, block_m, col_blocks, x.device)
     db_part = partials(programs, 1, k, x.device) if bias is not None else None
+    if bias is None and launch._wrapping:  # traced: the unused pointers as tensors of their own (module docstring)
+        b_arg, part_arg = x.new_empty(0), dx.new_empty(0)
+    else:
+        b_arg, part_arg = (bias, db_part) if bias is not None else (x, dx)
     _bias_act_bwd_kernel[(programs, col_blocks)](
-        dy, x, bias if bias is not None else x, dx, db_part if db_part is not None else dx,
+        dy, x, b_arg, dx, part_arg,
         m, f, k, dy.stride(0), x.stride(0), dx.stride(0), rows_per_program,
         ACT=_code(activation), GATED=gated, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,

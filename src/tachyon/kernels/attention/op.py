@@ -35,7 +35,7 @@ OP = "attention"
 MAX_TRITON_HEAD_DIM = 256
 
 
-@fused_op("tachyon::attention_fwd", mutates_args=())
+@fused_op("tachyon::attention_fwd", mutates_args=(), triton_op=True)
 def _attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, key_padding_bias: Tensor | None, causal: bool, dropout_p: float,
     seed: int, seed_tensor: Tensor | None, softmax_scale: float, deterministic: bool, one_kernel_backward: bool,
@@ -61,7 +61,7 @@ def _(q, k, v, key_padding_bias, causal, dropout_p, seed, seed_tensor, softmax_s
     return empty_in_layout_of(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@fused_op("tachyon::attention_bwd", mutates_args=())
+@fused_op("tachyon::attention_bwd", mutates_args=(), triton_op=True)
 def _attention_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_padding_bias: Tensor | None,
     causal: bool, dropout_p: float, seed: int, seed_tensor: Tensor | None, softmax_scale: float,

@@ -89,7 +89,7 @@ def _rotate(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, i
             o.copy_(rope_reference.rotary_forward(x, cos, sin, interleaved, inverse))
 
 
-@fused_op("tachyon::attention_packed_fwd", mutates_args=())
+@fused_op("tachyon::attention_packed_fwd", mutates_args=(), triton_op=True)
 def _packed_fwd(
     qkv: Tensor, qkv_bias: Tensor | None, bias: Tensor | None, heads: int, kv_heads: int, sbhd: bool, causal: bool,
     dropout_p: float, seed: int, seed_tensor: Tensor | None, softmax_scale: float, deterministic: bool,
@@ -129,7 +129,7 @@ def _(qkv, qkv_bias, bias, heads, kv_heads, sbhd, causal, dropout_p, seed, seed_
             qk_rot)
 
 
-@fused_op("tachyon::attention_packed_bwd", mutates_args=())
+@fused_op("tachyon::attention_packed_bwd", mutates_args=(), triton_op=True)
 def _packed_bwd(
     dctx: Tensor, qkv: Tensor, qkv_bias: Tensor | None, ctx: Tensor, lse: Tensor, bias: Tensor | None, heads: int,
     kv_heads: int, sbhd: bool, causal: bool, dropout_p: float, seed: int, seed_tensor: Tensor | None,

@@ -47,6 +47,19 @@ its group. Each program stores one row of fp32 partial sums; ``sum_partials`` ad
 On GPU each kernel autotunes over a few block shapes (key: head_dim, flags, dtypes and a
 power-of-two bucket of the sequence length); under the interpreter there is one small config.
 fp32 inputs use IEEE fp32 dots (no TF32), so fp32 results match an fp32 reference.
+
+Traced by torch.compile (inside ``launch.wrapped_launches``, see kernels/registry.py), the launch
+arguments differ in two ways. A pointer the kernel does not touch (no padding bias, no QKV bias,
+the seed pointer of an int seed, the atomic dQ buffer of the deterministic backward) is a tensor
+of its own instead of another argument: torch functionalizes a traced kernel by cloning each
+argument it may write and writing the clones back, so two arguments that alias would be written
+back over each other. And the QKV-bias gradient's partial sums do not depend on the config the
+autotuner picks: eagerly the launcher reads the chosen BLOCK_N after the launch (``best_config``)
+and sums only the rows that config's programs wrote, but in a traced graph the config is chosen
+when the graph runs (Inductor autotunes user kernels itself), after the sum was traced. So the
+traced buffer is zero-filled, sized for the smallest BLOCK_N, and all its rows are summed: the
+rows no program wrote add zeros, whatever config runs (the sums' order may differ from the eager
+launch's in the last bits).
 """
 
 from __future__ import annotations
@@ -59,7 +72,8 @@ from tachyon.backend import triton_interpreting
 from tachyon.kernels.random.reference import dropout_threshold
 from tachyon.kernels.random.triton import keep_tile, load_seed, seed_args
 from tachyon.kernels.tiling import immediate_sums, partials, sum_partials
-from tachyon.kernels.ints import cdiv, next_power_of_2
+from tachyon.kernels.ints import cdiv, next_power_of_2, next_power_of_2_by_comparison
+from tachyon.kernels import launch
 from tachyon.kernels.launch import fast_launch
 
 LOG2E = tl.constexpr(1.4426950408889634)  # the kernels work in base 2: exp(x) = exp2(x * log2(e))
@@ -573,7 +587,8 @@ def _common(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, causal:
         HAS_QKV_BIAS=qkv_bias is not None,
         BLOCK_D=block_d, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # fp32: no tf32 rounding
     )
-    bucket = next_power_of_2(max(seq_q, seq_k))
+    # traced: the sequence lengths may be symbolic; the bucket then guards on its range, not on them
+    bucket = (next_power_of_2_by_comparison if launch._wrapping else next_power_of_2)(max(seq_q, seq_k))
     inv_keep = 1.0 / (1.0 - dropout_p)
     return batch, heads, kv_heads, seq_q, seq_k, bucket, inv_keep, flags
 
@@ -619,9 +634,13 @@ def attention_fwd(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
     seed_int, seed_ptr, from_ptr = seed_args(seed, lse)
+    ub = uqb = q  # the unused pointers' stand-ins
+    if launch._wrapping:  # traced: a tensor of its own each (module docstring)
+        ub, uqb = q.new_empty(0), q.new_empty(0)
+        seed_ptr = seed_ptr if from_ptr else lse.new_empty(0)
     grid = lambda meta: (cdiv(seq_q, meta["BLOCK_M"]), batch * heads)  # noqa: E731
     _fwd_kernel[grid](
-        q, k, v, bias if bias is not None else q, out, lse, qkv_bias if qkv_bias is not None else q,
+        q, k, v, bias if bias is not None else ub, out, lse, qkv_bias if qkv_bias is not None else uqb,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out), bias.stride(0) if bias is not None else 0,
         heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_threshold(dropout_p), inv_keep, seed_int, seed_ptr,
         SEED_FROM_PTR=from_ptr, **flags,
@@ -678,6 +697,10 @@ def attention_bwd(
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if deterministic else None
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if launch._wrapping:  # traced: each unused pointer a tensor of its own (module docstring)
+        return _attention_bwd_traced(dout, q, k, v, out, lse, bias, dropout_p, seed, softmax_scale, qkv_bias,
+                                     deterministic, batch, heads, kv_heads, seq_q, seq_k, bucket, inv_keep, flags,
+                                     delta, dq, dk, dv)
     seed_int, seed_ptr, from_ptr = seed_args(seed, delta)
     bias_arg = bias if bias is not None else q
     bias_stride = bias.stride(0) if bias is not None else 0
@@ -736,13 +759,20 @@ def _attention_bwd_one_kernel(dout, q, k, v, out, lse, bias, dropout_p, seed, so
     if qkv_bias is not None:  # one row per key block, at most as many as with the smallest BLOCK_N
         smallest_block_n = min(c.kwargs["BLOCK_N"] for c in _bwd_one_kernel.configs)
         part = partials(batch * cdiv(seq_k, smallest_block_n), 1, qkv_bias.numel(), q.device)
+    traced = launch._wrapping
+    ub, uqb, up = q, q, lse  # the unused pointers' stand-ins
+    if traced:  # a tensor of its own each; the partial sums zero-filled, all rows summed (module docstring)
+        ub, uqb, up = q.new_empty(0), q.new_empty(0), lse.new_empty(0)
+        seed_ptr = seed_ptr if from_ptr else lse.new_empty(0)
+        if part is not None:
+            part.zero_()
 
     def grid(meta):
         return max(cdiv(seq_k, meta["BLOCK_N"]), cdiv(seq_q, meta["BLOCK_M"])), batch * kv_heads
 
     _bwd_one_kernel[grid](
-        q, k, v, bias if bias is not None else q, dout, lse, out, dq, dk, dv, qkv_bias if qkv_bias is not None else q,
-        part if part is not None else lse,
+        q, k, v, bias if bias is not None else ub, dout, lse, out, dq, dk, dv,
+        qkv_bias if qkv_bias is not None else uqb, part if part is not None else up,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(out), *_strides3(dq),
         *_strides3(dk), bias.stride(0) if bias is not None else 0, part.stride(0) if part is not None else 0,
         heads, kv_heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale, dropout_threshold(dropout_p), inv_keep, seed_int,
@@ -750,6 +780,52 @@ def _attention_bwd_one_kernel(dout, q, k, v, out, lse, bias, dropout_p, seed, so
     )
     dbias = None
     if part is not None:
-        rows = batch * cdiv(seq_k, _bwd_one_kernel.best_config.kwargs["BLOCK_N"])
+        rows = part.shape[0] if traced else batch * cdiv(seq_k, _bwd_one_kernel.best_config.kwargs["BLOCK_N"])
         (dbias,) = sum_partials(part[:rows], [qkv_bias.dtype])
+    return dq, dk, dv, dbias
+
+
+def _attention_bwd_traced(dout, q, k, v, out, lse, bias, dropout_p, seed, softmax_scale, qkv_bias, deterministic,
+                          batch, heads, kv_heads, seq_q, seq_k, bucket, inv_keep, flags, delta, dq, dk, dv):
+    """attention_bwd's two-kernel launches as torch.compile traces them (module docstring): each
+    unused pointer a tensor of its own, the QKV-bias partial sums zero-filled and summed whole."""
+    seed_int, seed_ptr, from_ptr = seed_args(seed, delta)
+    if not from_ptr:
+        seed_ptr = delta.new_empty(0)
+    bias_stride = bias.stride(0) if bias is not None else 0
+    common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout))
+    bias_arg = bias if bias is not None else q.new_empty(0)
+    qkv_bias_arg = qkv_bias if qkv_bias is not None else q.new_empty(0)
+    if deterministic:
+        _bwd_dq_kernel[lambda meta: (cdiv(seq_q, meta["BLOCK_M"]), batch * heads)](
+            q, k, v, bias_arg, dout, lse, delta, dq, out, qkv_bias_arg, *common, *_strides3(dq), bias_stride,
+            *_strides3(out), heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale,
+            dropout_threshold(dropout_p), inv_keep, seed_int, seed_ptr, SEED_FROM_PTR=from_ptr, STORE_DELTA=True,
+            **flags,
+        )
+    else:
+        block_delta = 32 if triton_interpreting() else 64
+        _bwd_delta_kernel[(cdiv(seq_q, block_delta), batch * heads)](
+            out, dout, delta, *_strides3(out), *_strides3(dout), heads, seq_q,
+            HEAD_DIM=flags["HEAD_DIM"], BLOCK_D=flags["BLOCK_D"], BLOCK_M=block_delta,
+        )
+    dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    part = None
+    if qkv_bias is not None:
+        smallest_block_n = min(c.kwargs["BLOCK_N"] for c in _bwd_dkdv_kernel.configs)
+        part = torch.zeros((batch * cdiv(seq_k, smallest_block_n), qkv_bias.numel()), dtype=torch.float32,
+                           device=q.device)
+    _bwd_dkdv_kernel[lambda meta: (cdiv(seq_k, meta["BLOCK_N"]), batch * kv_heads)](
+        q, k, v, bias_arg, dout, lse, delta, dk, dv, dq_acc if dq_acc is not None else dk.new_empty(0),
+        qkv_bias_arg, part if part is not None else delta.new_empty(0),
+        *common, *_strides3(dk), bias_stride, part.stride(0) if part is not None else 0,
+        heads, kv_heads, heads // kv_heads, seq_q, seq_k, bucket,
+        softmax_scale, dropout_threshold(dropout_p), inv_keep, seed_int, seed_ptr, SEED_FROM_PTR=from_ptr,
+        ATOMIC_DQ=not deterministic, **flags,
+    )
+    dbias = sum_partials(part, [qkv_bias.dtype])[0] if part is not None else None
+    if dq_acc is not None:
+        if dq is not None:
+            return dq.copy_(dq_acc), dk, dv, dbias
+        return (dq_acc if q.dtype == torch.float32 else dq_acc.to(q.dtype)), dk, dv, dbias
     return dq, dk, dv, dbias

@@ -46,7 +46,7 @@ _tri = lazy_module("tachyon.kernels.dropout.triton")  # imported on first use (i
 
 # --- bias + dropout + residual ------------------------------------------------------------------
 
-@fused_op("tachyon::bias_dropout_add_fwd", mutates_args=())
+@fused_op("tachyon::bias_dropout_add_fwd", mutates_args=(), triton_op=True)
 def _bda_fwd(x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float, seed: int, seed_tensor: Tensor | None,
              backend: str) -> Tensor:
     """x, residual: [M, N] contiguous; p == 0 means no dropout. Returns out [M, N] in x's dtype."""
@@ -59,7 +59,7 @@ def _(x, bias, residual, p, seed, seed_tensor, backend):
     return torch.empty_like(x)
 
 
-@fused_op("tachyon::dropout_bwd", mutates_args=())
+@fused_op("tachyon::dropout_bwd", mutates_args=(), triton_op=True)
 def _dropout_bwd(dout: Tensor, p: float, seed: int, seed_tensor: Tensor | None, want_dbias: bool,
                  dbias_dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor]:
     """dout: [M, N]. Returns (dx = where(keep, dout / (1 - p), 0), the row sum of dx (summed in fp32,
@@ -105,7 +105,7 @@ _bda_fwd.register_autograd(_bda_backward, setup_context=_bda_setup)
 
 # --- bias + dropout + residual + LayerNorm/RMSNorm ----------------------------------------------
 
-@fused_op("tachyon::bias_dropout_add_norm_fwd", mutates_args=())
+@fused_op("tachyon::bias_dropout_add_norm_fwd", mutates_args=(), triton_op=True)
 def _bdan_fwd(
     x: Tensor, bias: Tensor | None, residual: Tensor | None, weight: Tensor, ln_bias: Tensor | None,
     eps: float, p: float, seed: int, seed_tensor: Tensor | None, rms: bool, invertible: bool, store_z: bool,
@@ -129,7 +129,7 @@ def _(x, bias, residual, weight, ln_bias, eps, p, seed, seed_tensor, rms, invert
     return torch.empty_like(x), z, (_empty(stats) if rms or invertible else stats), torch.empty_like(stats)
 
 
-@fused_op("tachyon::bias_dropout_add_norm_bwd", mutates_args=())
+@fused_op("tachyon::bias_dropout_add_norm_bwd", mutates_args=(), triton_op=True)
 def _bdan_bwd(
     dy: Tensor, saved: Tensor, dz_out: Tensor | None, weight: Tensor, ln_bias: Tensor | None, mean: Tensor,
     rstd: Tensor, p: float, seed: int, seed_tensor: Tensor | None, rms: bool, from_output: bool, want_dbias: bool,

@@ -24,6 +24,13 @@ form ((y - ln_b) / w),
 accumulating dweight (dy * xhat), dln_bias (dy) and dbias (dx) partials per program, all three
 summed by one more launch (``sum_partials``). The norm's
 row math (statistics; xhat and dz) is kernels/layernorm's ``row_stats`` / ``row_grad``.
+
+Traced by torch.compile (inside ``launch.wrapped_launches``, see kernels/registry.py), the launch
+arguments differ in two ways: a pointer the kernel does not touch (no bias, no residual, the seed
+pointer of an int seed, ...) is a tensor of its own instead of another argument (torch
+functionalizes a traced kernel by cloning each argument it may write and writing the clones back:
+two arguments that alias would be written back over each other), and the fused norm backward's
+partial sums go to one buffer per sum instead of column groups (views) of one buffer.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from tachyon.kernels.random.reference import dropout_threshold
 from tachyon.kernels.random.triton import keep_row, keep_tile, load_seed, seed_args
 from tachyon.kernels.tiling import max_programs, partials, row_programs, row_split, sum_partials, tiles
 from tachyon.kernels.ints import cdiv
+from tachyon.kernels import launch
 from tachyon.kernels.launch import fast_launch
 
 
@@ -187,8 +195,12 @@ def bias_dropout_add_fwd(
     block_m, block_n, num_warps = tiles(n)
     block_n = max(block_n, 8)  # the dropout mask takes column tiles of whole 8-column groups
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, out)
+    ub = ur = x  # the unused pointers' stand-in
+    if launch._wrapping:  # traced: a tensor of its own each (module docstring)
+        ub, ur = x.new_empty(0), x.new_empty(0)
+        seed_ptr = seed_ptr if seed_from_ptr else x.new_empty(0)
     _bda_fwd_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
-        x, bias if bias is not None else x, residual if residual is not None else x, out,
+        x, bias if bias is not None else ub, residual if residual is not None else ur, out,
         m, n, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), seed_int, seed_ptr,
         dropout_threshold(p), dropout_scale(p), HAS_BIAS=bias is not None, HAS_RES=residual is not None, DROPOUT=p > 0,
         SEED_FROM_PTR=seed_from_ptr, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
@@ -212,8 +224,12 @@ def dropout_bwd(
     programs, rows_per_program = row_split(m, block_m, col_blocks, dout.device)
     db_part = partials(programs, 1, n, dout.device) if want_dbias else None
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, dx)
+    up = dx  # the unused pointers' stand-in
+    if launch._wrapping:  # traced: a tensor of its own each (module docstring)
+        up = dx.new_empty(0, dtype=torch.float32)
+        seed_ptr = seed_ptr if seed_from_ptr else dx.new_empty(0)
     _bda_bwd_kernel[(programs, col_blocks)](
-        dout, dx, db_part if db_part is not None else dx, m, n, dout.stride(0), dx.stride(0), rows_per_program,
+        dout, dx, db_part if db_part is not None else up, m, n, dout.stride(0), dx.stride(0), rows_per_program,
         seed_int, seed_ptr, dropout_threshold(p), dropout_scale(p), HAS_BIAS=want_dbias, DROPOUT=p > 0,
         SEED_FROM_PTR=seed_from_ptr, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
@@ -237,9 +253,13 @@ def bias_dropout_add_norm_fwd(
     block_n, num_warps = row_config(n)
     block_n = max(block_n, 8)  # the dropout mask takes whole 8-column groups
     seed_int, seed_ptr, seed_from_ptr = seed_args(seed, rstd)
+    ub, ur, ul, uz, um = x, x, weight, y, rstd  # the unused pointers' stand-ins
+    if launch._wrapping:  # traced: a tensor of its own each (module docstring)
+        ub, ur, ul, uz, um = (t.new_empty(0) for t in (x, x, weight, y, rstd))
+        seed_ptr = seed_ptr if seed_from_ptr else rstd.new_empty(0)
     _bda_norm_fwd_kernel[(m,)](
-        x, bias if bias is not None else x, residual if residual is not None else x, weight,
-        ln_bias if ln_bias is not None else weight, y, z if store_z else y, mean if store_mean else rstd, rstd,
+        x, bias if bias is not None else ub, residual if residual is not None else ur, weight,
+        ln_bias if ln_bias is not None else ul, y, z if store_z else uz, mean if store_mean else um, rstd,
         n, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), z.stride(0),
         eps, seed_int, seed_ptr, dropout_threshold(p), dropout_scale(p),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_LNB=ln_bias is not None, DROPOUT=p > 0,
@@ -271,6 +291,9 @@ def bias_dropout_add_norm_bwd(
     programs = row_programs(m, dy.device, max_programs(dy.device) // 2)
     rows_per_program = cdiv(m, programs)
     programs = cdiv(m, rows_per_program)
+    if launch._wrapping:  # traced (module docstring)
+        return _bdan_bwd_traced(dy, saved, dz_out, weight, ln_bias, mean, rstd, p, seed, rms, from_output, want_dbias,
+                                dbias_dtype, dx, dres, programs, rows_per_program)
     # the partial sums of dweight, dln_bias, dbias (those wanted): groups of one buffer, one launch to sum
     groups = [weight.dtype] + ([ln_bias.dtype] if ln_bias is not None else []) + ([dbias_dtype] if want_dbias else [])
     part = partials(programs, len(groups), n, dy.device)
@@ -294,3 +317,30 @@ def bias_dropout_add_norm_bwd(
     dw = sums[0]
     dlnb = sums[1] if ln_bias is not None else None
     return dx, dres, (sums[-1] if want_dbias else None), dw, dlnb
+
+
+def _bdan_bwd_traced(dy, saved, dz_out, weight, ln_bias, mean, rstd, p, seed, rms, from_output, want_dbias,
+                     dbias_dtype, dx, dres, programs, rows_per_program):
+    """bias_dropout_add_norm_bwd's launch as torch.compile traces it: no aliasing arguments, one
+    partial-sum buffer per sum (each summed by ``sum_partials``)."""
+    m, n = dy.shape
+    parts = [partials(programs, 1, n, dy.device) if wanted else dy.new_empty(0, dtype=torch.float32)
+             for wanted in (True, ln_bias is not None, want_dbias)]
+    block_n, num_warps = row_config(n)
+    block_n = max(block_n, 8)  # the dropout mask takes whole 8-column groups
+    seed_int, seed_ptr, seed_from_ptr = seed_args(seed, rstd.new_empty(0))
+    _bda_norm_bwd_kernel[(programs,)](
+        dy, saved, dz_out if dz_out is not None else dy.new_empty(0), weight,
+        ln_bias if ln_bias is not None else weight.new_empty(0), rstd.new_empty(0) if rms or from_output else mean, rstd,
+        dx, dres if dres is not None else dx.new_empty(0), *parts,
+        m, n, dy.stride(0), saved.stride(0), dz_out.stride(0) if dz_out is not None else 0, dx.stride(0),
+        dres.stride(0) if dres is not None else 0, parts[0].stride(0), rows_per_program, seed_int, seed_ptr,
+        dropout_threshold(p), dropout_scale(p),
+        HAS_LNB=ln_bias is not None, HAS_DZ_OUT=dz_out is not None, STORE_DRES=dres is not None, HAS_BIAS=want_dbias,
+        DROPOUT=p > 0, SEED_FROM_PTR=seed_from_ptr, IS_RMS=rms, FROM_OUTPUT=from_output, BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
+    (dw,) = sum_partials(parts[0], [weight.dtype])
+    dlnb = sum_partials(parts[1], [ln_bias.dtype])[0] if ln_bias is not None else None
+    db = sum_partials(parts[2], [dbias_dtype])[0] if want_dbias else None
+    return dx, dres, db, dw, dlnb

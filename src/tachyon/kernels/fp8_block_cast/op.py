@@ -24,7 +24,7 @@ OP = "block_cast_to_fp8"
 BLOCK_SIZES = (32, 128)
 
 
-@fused_op("tachyon::fp8_block_cast", mutates_args=())
+@fused_op("tachyon::fp8_block_cast", mutates_args=(), triton_op=True)
 def _fp8_block_cast(x: Tensor, fp8_dtype: torch.dtype, block_size: int, square: bool, rows: bool, cols: bool,
                     power_2_scale: bool, amax_epsilon: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if backend == "triton":
@@ -47,7 +47,7 @@ def _(x, fp8_dtype, block_size, square, rows, cols, power_2_scale, amax_epsilon,
     return data, scale_inv, data_t, scale_inv_t
 
 
-@fused_op("tachyon::fp8_scale_from_amax", mutates_args=())
+@fused_op("tachyon::fp8_scale_from_amax", mutates_args=(), triton_op=True)
 def _fp8_scale_from_amax(amax: Tensor, fp8_max: float, power_2_scale: bool, amax_epsilon: float,
                          value_for_inf: float, backend: str) -> tuple[Tensor, Tensor]:
     if backend == "triton":

@@ -11,9 +11,17 @@ Amax: the integer max of |x|'s fp32 bit patterns (a NaN, whose bits exceed inf's
 torch.amax propagates it). Scale: the reference's rule with a correctly rounded division
 (``tl.div_rn``), so the bits equal the PyTorch path's. The FP8 conversion is tachyon.kernels.
 fp8_cast's integer one (``_fp8_codes``), bit-identical to torch's cast.
+
+Traced by torch.compile (inside ``launch.wrapped_launches``, see kernels/registry.py), an output
+pointer the kernel does not write is a tensor of its own instead of x: torch functionalizes a
+traced kernel by cloning each argument it may write and writing the clones back, so two arguments
+that alias would be written back over each other. Constexprs are computed without tensors
+(``_fp32``), which a traced implementation sees as fake tensors without values.
 """
 
 from __future__ import annotations
+
+import struct
 
 import torch
 import triton
@@ -22,6 +30,7 @@ import triton.language as tl
 from tachyon.kernels.fp8_cast.reference import FP8_MAX, fp8_format
 from tachyon.kernels.fp8_cast.triton import _fp8_codes
 from tachyon.kernels.ints import cdiv
+from tachyon.kernels import launch
 from tachyon.kernels.launch import fast_launch
 
 
@@ -104,7 +113,11 @@ def scale_from_amax(amax: torch.Tensor, fp8_max: float, power_2_scale: bool, ama
 
 
 def _fp32(value: float) -> float:
-    return torch.tensor(value, dtype=torch.float32).item()
+    """``value`` rounded to fp32 (as a Python float; no tensor, see the module docstring)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond fp32's range: inf, as the tensor cast gives
+        return float("inf") if value > 0 else float("-inf")
 
 
 def block_cast(x: torch.Tensor, fp8_dtype: torch.dtype, block_size: int, square: bool, rows: bool, cols: bool,
@@ -126,10 +139,13 @@ def block_cast(x: torch.Tensor, fp8_dtype: torch.dtype, block_size: int, square:
     if r and c:
         fmt = fp8_format(fp8_dtype)
         # a placeholder pointer where an output is not written (the kernel never touches it)
-        out = data.view(torch.uint8) if want_rows else x
-        out_t = data_t.view(torch.uint8) if cols else x
+        ux = ut = us = ust = x
+        if launch._wrapping:  # traced: a tensor of its own each (module docstring)
+            ux, ut, us, ust = (x.new_empty(0) for _ in range(4))
+        out = data.view(torch.uint8) if want_rows else ux
+        out_t = data_t.view(torch.uint8) if cols else ut
         _block_cast_kernel[(nr, nc)](
-            x, out, scale_inv if want_rows else x, out_t, scale_inv_t if cols else x, r, c, x.stride(0), x.stride(1),
+            x, out, scale_inv if want_rows else us, out_t, scale_inv_t if cols else ust, r, c, x.stride(0), x.stride(1),
             nc, nr, S=s, SQUARE=square, ROWS=rows, COLS=cols, FP8_MAX=FP8_MAX[fp8_dtype],
             EPS=_fp32(amax_epsilon), VFI=torch.finfo(x.dtype).max, POW2=power_2_scale,
             MANT_BITS=fmt.mantissa_bits, EXP_BIAS=fmt.exponent_bias, MAX_BITS=fmt.max_bits,

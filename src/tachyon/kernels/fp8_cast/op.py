@@ -29,7 +29,7 @@ from tachyon.kernels.registry import fused_op
 OP = "cast_to_fp8"
 
 
-@fused_op("tachyon::fp8_cast", mutates_args=("amax",))
+@fused_op("tachyon::fp8_cast", mutates_args=("amax",), triton_op=True)
 def _fp8_cast(
     x: Tensor, scale: Tensor, fp8_dtype: torch.dtype, amax: Tensor | None, transpose: bool, backend: str,
 ) -> tuple[Tensor, Tensor]:

@@ -19,6 +19,11 @@ NaN propagates, and the result does not depend on the order the programs run in 
 One case needs care: an amax that already holds a NaN with the sign bit set is a negative int32,
 which the max would overwrite; the one program whose atomic returns that old value writes a
 positive NaN after it, so a NaN amax stays NaN (as torch.maximum keeps it).
+
+Traced by torch.compile (inside ``launch.wrapped_launches``, see kernels/registry.py), the amax
+pointer without an amax is a tensor of its own instead of a view of scale: torch functionalizes
+a traced kernel by cloning each argument it may write (the atomic's target) and writing it back,
+which would write into scale.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import triton.language as tl
 
 from tachyon.kernels.fp8_cast.reference import fp8_format
 from tachyon.kernels.ints import cdiv
+from tachyon.kernels import launch
 from tachyon.kernels.launch import fast_launch
 
 
@@ -138,7 +144,10 @@ def cast_to_fp8(
     scale, amax: fp32 0-dim on x's device (amax updated in place). Returns (x8, x8_t or None)."""
     consts = _format_constexprs(fp8_dtype)
     x8 = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    amax_bits = amax.view(torch.int32) if amax is not None else scale.view(torch.int32)
+    if amax is not None:
+        amax_bits = amax.view(torch.int32)
+    else:  # not touched (HAS_AMAX): scale eagerly, a tensor of its own when traced (module docstring)
+        amax_bits = scale.new_empty(0, dtype=torch.int32) if launch._wrapping else scale.view(torch.int32)
     if not transpose:
         x8_t = None
         numel = x.numel()

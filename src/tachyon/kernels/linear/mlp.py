@@ -57,7 +57,7 @@ def gemm_backend(x: Tensor, backend: str | None, features: int, *params: Tensor 
     return chosen
 
 
-@fused_op("tachyon::gemm_bias_act", mutates_args=())
+@fused_op("tachyon::gemm_bias_act", mutates_args=(), triton_op=True)
 def _gemm_bias_act(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, backend: str) -> tuple[Tensor, Tensor]:
     """x [M, K] contiguous -> (pre [M, R], y [M, F]). backend "cublas": torch's GEMM (with the bias),
     then tachyon's bias-activation kernel writing y (the dispatch table's twin on CUDA)."""
@@ -76,7 +76,7 @@ def _(x, weight, bias, activation, backend):
     return x.new_empty((x.shape[0], rows)), x.new_empty((x.shape[0], rows // 2 if is_gated(activation) else rows))
 
 
-@fused_op("tachyon::gemm_act_grad", mutates_args=())
+@fused_op("tachyon::gemm_act_grad", mutates_args=(), triton_op=True)
 def _gemm_act_grad(dout: Tensor, weight2: Tensor, pre: Tensor, activation: str, want_dbias: bool,
                    backend: str) -> tuple[Tensor, Tensor]:
     """dout [M, O] contiguous -> (dpre [M, R], dbias [R] in pre's dtype or an empty tensor). backend

@@ -25,6 +25,13 @@ Grid: one program per [BLOCK_M, BLOCK_N] output tile, in groups of GROUP_M row b
 programs running together share B's column blocks in cache. On a GPU the kernel autotunes over a
 few BLOCK_N / BLOCK_K / warps / stages; BLOCK_M is the launcher's (the partial sums have one row
 per row block); under the interpreter there is one small config.
+
+Traced by torch.compile (inside ``launch.wrapped_launches``, see kernels/registry.py), a pointer
+the kernel does not touch (no bias; no partial sums) is a tensor of its own instead of another
+argument: torch functionalizes a traced kernel by cloning each argument it may write and writing
+the clones back, so two arguments that alias would be written back over each other. The
+autotuner runs as torch.compile's backend has it: Inductor benchmarks the configs itself; the
+eager and aot_eager backends launch through Triton's Autotuner.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from tachyon.kernels.activation.reference import is_gated
 from tachyon.kernels.activation.triton import _act_fwd, _act_fwd_grad, _code
 from tachyon.kernels.tiling import partials, sum_partials
 from tachyon.kernels.ints import cdiv
+from tachyon.kernels import launch
 from tachyon.kernels.launch import fast_launch
 
 GROUP_M = 8
@@ -153,8 +161,11 @@ def _launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
             block_m: int) -> None:
     m, k = a.shape
     gated = is_gated(activation)
+    ub, up = a, out  # the unused pointers' stand-ins
+    if launch._wrapping:  # traced: a tensor of its own each (module docstring)
+        ub, up = a.new_empty(0), out.new_empty(0, dtype=torch.float32)
     _gemm_act_kernel[lambda meta: (cdiv(m, block_m) * cdiv(n, meta["BLOCK_N"]),)](
-        a, b, bias if bias is not None else a, out, pre, part if part is not None else out, m, n, k,
+        a, b, bias if bias is not None else ub, out, pre, part if part is not None else up, m, n, k,
         a.stride(0), a.stride(1), b_strides[0], b_strides[1], out.stride(0), pre.stride(0), n if gated else 0,
         MODE=mode, ACT=_code(activation), GATED=gated, B_GATED=gated and mode == 0,
         HAS_BIAS=(bias if mode == 0 else part) is not None,

@@ -20,7 +20,7 @@ from tachyon.kernels.rope import reference
 from tachyon.kernels.rope.reference import rope_frequencies
 
 
-@fused_op("tachyon::rotary", mutates_args=())
+@fused_op("tachyon::rotary", mutates_args=(), triton_op=True)
 def _rotary(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, inverse: bool, backend: str,
 ) -> tuple[Tensor, Tensor]:
