@@ -8,7 +8,7 @@ samples per step) and both (tp 2 x pp 2, 4 processes). With one data-parallel co
 reads the same samples in the same order, so every step's training loss, both validation
 losses and the parameters' effect on the generated text must agree with the single process up
 to floating-point summation order. The single process's output also shows the GPT job's
-generated lines.
+generated lines, and resuming it at its last step changes no file.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tachyon.train.report import read_metrics
-from tests.train._cli import run_train
+from tests.train._cli import run_train, succeeded, train_process
 
 pytestmark = pytest.mark.distributed
 
@@ -59,6 +59,16 @@ def test_one_gpt_process_prints_generated_lines(single):
     assert len(prompts) == JOB["examples"], "\n".join(generated)
     assert len([line for line in generated if line.startswith("  | ")]) > len(prompts), "no generated text after the prompts"
     assert "validation (next-token prediction" in output
+
+
+def test_resuming_a_finished_run_changes_nothing_and_says_so(single):
+    config, root, _ = single
+    out = root / "single"
+    files = {name: (out / name).read_bytes() for name in ("metrics.csv", "validation.csv", "summary.txt")}
+    again = train_process(str(config), "--output-dir", str(out), "--resume", "--steps", str(STEPS))
+    output = succeeded(again)
+    assert "already reached step" in output and "nothing to train, no file changed" in output, output[-2000:]
+    assert files == {name: (out / name).read_bytes() for name in files}
 
 
 def _losses(out: Path) -> tuple[list[float], list[float]]:

@@ -6,7 +6,8 @@
   the final table and summary.txt (both losses in nats and perplexity, fill-mask examples) are
   there. Then ``--resume`` with more steps continues from the saved step, quietly.
 
-A GPT job's generated lines are checked on the one-process run of test_parallel_train.py.
+A GPT job's generated lines, and a finished run resumed changing nothing, are checked on the
+one-process run of test_parallel_train.py.
 """
 
 from __future__ import annotations
@@ -123,14 +124,3 @@ def test_resume_continues_from_the_saved_step_quietly(ci_run):
     assert f"note: steps {CI_STEPS} -> {RESUME_STEPS}: the lr schedule stays the checkpoint's (WarmupDecayLR over " \
            f"{CI_STEPS} steps): step {CI_STEPS + 1} runs at lr 0" in summary, summary
     assert all(r["lr"] == 0.0 for r in rows[CI_STEPS:])
-
-
-def test_resuming_a_finished_run_changes_nothing_and_says_so(ci_run):
-    output_dir, proc = ci_run
-    succeeded(proc)
-    files = {name: (output_dir / name).read_bytes() for name in ("metrics.csv", "validation.csv", "summary.txt")}
-    again = train_process(str(CI_CONFIG), "--output-dir", str(output_dir), "--resume", "--steps", str(CI_STEPS))
-    output = succeeded(again)
-    assert "already reached step" in output and "nothing to train, no file changed" in output, output[-2000:]
-    assert files == {name: (output_dir / name).read_bytes() for name in files}
-
