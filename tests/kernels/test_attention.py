@@ -184,7 +184,7 @@ def test_tensor_seed_is_bit_identical_to_the_int_seed(backend):
 # The atomic-dQ backward (deterministic=False): causal, padding, GQA/MQA, dropout, odd lengths.
 ATOMIC_CASES = [
     Case(seq_q=37, seq_k=51, causal=True, padded=True),
-    Case(heads=4, kv_heads=2, seq_q=45, seq_k=45, dropout_p=0.2),  # GQA: two heads add into one program's dK
+    Case(batch=1, heads=4, kv_heads=2, seq_q=45, seq_k=45, dropout_p=0.2),  # GQA: two heads add into one program's dK
     Case(batch=1, heads=4, kv_heads=1, seq_q=51, seq_k=37, causal=True, padded=True, dropout_p=0.1),  # MQA, empty rows
     Case(batch=1, heads=2, kv_heads=2, seq_q=19, seq_k=70, head_dim=40),  # several key blocks add into one dQ row
 ]

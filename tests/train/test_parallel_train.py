@@ -7,19 +7,21 @@ no dropout; AdamW with clipping) runs 4 steps on one process, then under tensor 
 samples per step) and both (tp 2 x pp 2, 4 processes). With one data-parallel copy every layout
 reads the same samples in the same order, so every step's training loss, both validation
 losses and the parameters' effect on the generated text must agree with the single process up
-to floating-point summation order.
+to floating-point summation order. The single process's output also shows the GPT job's
+generated lines, and resuming it at its last step changes no file.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 
 from tachyon.train.report import read_metrics
-from tests.train._cli import run_train
+from tests.train._cli import run_train, succeeded, train_process
 
 pytestmark = pytest.mark.distributed
 
@@ -46,8 +48,27 @@ def single(tmp_path_factory):
     root = tmp_path_factory.mktemp("parallel_train")
     config = root / "gpt.json"
     config.write_text(json.dumps(JOB))
-    _train(config, root / "single")
-    return config, root
+    output = _train(config, root / "single")
+    return config, root, output
+
+
+def test_one_gpt_process_prints_generated_lines(single):
+    *_, output = single
+    generated = output.split("generated (")[1].split("memory per rank")[0].splitlines()[1:]
+    prompts = [line for line in generated if re.fullmatch(r"  \| [A-Z][A-Z ]+\.", line)]
+    assert len(prompts) == JOB["examples"], "\n".join(generated)
+    assert len([line for line in generated if line.startswith("  | ")]) > len(prompts), "no generated text after the prompts"
+    assert "validation (next-token prediction" in output
+
+
+def test_resuming_a_finished_run_changes_nothing_and_says_so(single):
+    config, root, _ = single
+    out = root / "single"
+    files = {name: (out / name).read_bytes() for name in ("metrics.csv", "validation.csv", "summary.txt")}
+    again = train_process(str(config), "--output-dir", str(out), "--resume", "--steps", str(STEPS))
+    output = succeeded(again)
+    assert "already reached step" in output and "nothing to train, no file changed" in output, output[-2000:]
+    assert files == {name: (out / name).read_bytes() for name in files}
 
 
 def _losses(out: Path) -> tuple[list[float], list[float]]:
@@ -61,7 +82,7 @@ def _losses(out: Path) -> tuple[list[float], list[float]]:
     (("--tp", "2", "--pp", "2"), 4, "data parallel 1 x pipeline 2 x tensor parallel 2"),
 ])
 def test_a_parallel_layout_trains_like_one_process(single, flags, processes, layout):
-    config, root = single
+    config, root, _ = single
     out = root / "-".join(flags).replace("--", "")
     output = _train(config, out, *flags)
     assert f"--nproc-per-node {processes}" in output  # the default process count fits the layout
@@ -79,7 +100,7 @@ def test_a_parallel_layout_trains_like_one_process(single, flags, processes, lay
 
 @pytest.mark.slow
 def test_a_pipeline_alone_trains_like_one_process(single):
-    config, root = single
+    config, root, _ = single
     out = root / "pp2"
     output = _train(config, out, "--pp", "2")
     assert "ZeRO stage 1" in output and "micro-batch 4 x 2 accumulation x 1 data-parallel ranks" in output
