@@ -115,8 +115,6 @@ def _one_stage(**kw) -> PipelineModule:
      "PipelineSchedule: interleaved_1F1B needs a PipelineModule with stages_per_rank >= 2"),
     ({"data_types": {"grad_accum_dtype": "fp32"}, "bf16": {"enabled": True}},
      '`data_types.grad_accum_dtype: "fp32"` with a PipelineModule'),
-    ({"pipeline": {"activation_checkpoint_interval": 2}},
-     "`pipeline.activation_checkpoint_interval: 2` but the PipelineModule was built with 0"),
     ({"progressive_layer_drop": {"enabled": True}},
      "`progressive_layer_drop.enabled: true` makes the engine call the model's forward with progressive_layer_drop="
      "True, pld_theta=<theta>, but PipelineModule.forward takes no progressive_layer_drop"),
