@@ -124,6 +124,14 @@ def test_pipeline_settings_that_do_not_fit_the_module_are_refused(world, section
     _refused(_one_stage(), {"train_micro_batch_size_per_gpu": 1, **sections}, ConfigError, message)
 
 
+def test_dist_init_required_false_in_a_multi_rank_job_without_a_process_group_is_refused(world):
+    """Each rank would otherwise train alone; DeepSpeed refuses too. One process (no WORLD_SIZE)
+    still trains with dist_init_required=False."""
+    world(2)
+    _refused(T.build_gpt(), E.config(), ValueError, "dist_init_required=False but torch.distributed is not "
+             "initialized and the environment says WORLD_SIZE=2", dist_init_required=False)
+
+
 def test_an_mpu_must_be_one_and_needs_torch_distributed(world):
     world(4)
     _refused(T.build_gpt(), E.config(), ValueError, "mpu should be a model-parallel unit", mpu=object())
