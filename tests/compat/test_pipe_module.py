@@ -19,6 +19,10 @@ def _layers():
     return [nn.ReLU(), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 1)]
 
 
+def _plain_call(function, *args):
+    return function(*args)
+
+
 def test_checkpoint_runs_follow_the_interval_and_hold_parameters():
     net = PipelineModule(layers=_layers(), num_stages=1, activation_checkpoint_interval=2)
     assert net.is_checkpointable_results == [False, True]  # the ReLU run has no parameters
@@ -38,6 +42,9 @@ def test_the_config_sets_the_interval_and_the_non_reentrant_function():
     assert net.activation_checkpoint_interval == 2 and net.is_checkpointable_results == [False, True]
     assert net.activation_checkpoint_func is checkpointing.non_reentrant_checkpoint
     assert not engine._reentrant_activation_checkpointing()
+    net.activation_checkpoint_func = _plain_call  # a function tachyon does not know: counted as reentrant (DeepSpeed)
+    assert engine._reentrant_activation_checkpointing()
+    net.activation_checkpoint_func = checkpointing.non_reentrant_checkpoint
     x = torch.randn(1, 4)
     out = engine.eval_batch(iter([(x, 0), (x, 0)]))  # numbers as labels: no loss_fn, the output is the loss
     torch.testing.assert_close(out.reshape(-1), nn.Sequential(*net.stage_modules[0].ordered_layers())(x).reshape(-1))

@@ -242,15 +242,10 @@ class DeepSpeedEngineSurface:
 
     # ------------------------------------------------------------------ precision and config getters
     def _reentrant_activation_checkpointing(self) -> bool:
-        """DeepSpeed's PipelineEngine check (whether the first stage's inputs must require grad):
-        the module checkpoints and its function is not a non-reentrant one. tachyon's checkpointing
-        and a PipelineModule's default function are non-reentrant, so only a user-given one counts."""
-        from tachyon.engine.activation_checkpointing import non_reentrant_checkpoint
-        from tachyon.parallel.pipeline.module import _default_checkpoint
+        """DeepSpeed's PipelineEngine check (`tachyon.engine.pipeline.reentrant_checkpointing`)."""
+        from .pipeline import reentrant_checkpointing
 
-        module = self.module
-        return self.is_pipeline and module.activation_checkpoint_interval > 0 and \
-            module.activation_checkpoint_func not in (non_reentrant_checkpoint, _default_checkpoint)
+        return self.is_pipeline and reentrant_checkpointing(self.module)
 
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled

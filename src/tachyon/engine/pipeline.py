@@ -95,6 +95,18 @@ def apply_checkpointing(model: PipelineModule, config: TachyonConfig) -> None:
         model.activation_checkpoint_interval = config.pipeline.activation_checkpoint_interval
 
 
+def reentrant_checkpointing(model: PipelineModule) -> bool:
+    """DeepSpeed's ``_reentrant_activation_checkpointing`` (whether the first stage's inputs must
+    require grad): the module checkpoints and its function is not a non-reentrant one. tachyon's
+    checkpointing and a PipelineModule's default function are non-reentrant: only a function the
+    user gave counts."""
+    from tachyon.engine.activation_checkpointing import non_reentrant_checkpoint
+    from tachyon.parallel.pipeline.module import _default_checkpoint
+
+    return model.activation_checkpoint_interval > 0 and \
+        model.activation_checkpoint_func not in (non_reentrant_checkpoint, _default_checkpoint)
+
+
 def build_schedule(model: PipelineModule, config: TachyonConfig, device: torch.device, precision: Precision) -> Any:
     """The PipelineSchedule running ``gradient_accumulation_steps`` micro-batches per batch, applying
     the fp16 loss scale inside (its backward runs in the schedule), after the config's
