@@ -48,6 +48,11 @@ MAPPED = {
 STATUS = {
     "zero_optimization.stage": "implemented: 0, 1, 2 and 3 (stage 3 on torch's FSDP2: docs/zero.md)",
     "zero_optimization.shard_module_classes": "implemented (tachyon's): more module classes stage 3 shards as units",
+    "pipeline.activation_checkpoint_interval": "implemented: a positive value replaces the PipelineModule's own "
+                                               "interval (DeepSpeed's PipelineEngine)",
+    "pipeline.use_reentrant": "implemented: false sets the PipelineModule's activation_checkpoint_func to "
+                              "checkpointing.non_reentrant_checkpoint; true / unset keeps the module's (tachyon's "
+                              "checkpointing is non-reentrant either way)",
     **{f"zero_optimization.{key}": "implemented at stages 1 and 2; at stage 3 accepted, reported as ignored (FSDP2 "
        "works per block)" for key in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
                                       "contiguous_gradients", "reduce_scatter", "round_robin_gradients")},

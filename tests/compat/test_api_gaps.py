@@ -111,3 +111,16 @@ def test_accelerator_answers_for_this_machine():
     assert torch.float32 in acc.supported_dtypes() and acc.is_fp16_supported()
     with pytest.raises(AttributeError, match="op builders"):
         acc.create_op_builder  # noqa: B018
+
+
+def test_cpu_accelerator_forks_the_rng_for_its_own_device_type():
+    """DeepSpeed's tests fork the RNG with ``device_type=get_accelerator().device_name()``; on the
+    CPU torch.random.fork_rng has no "cpu" device module, the compat accelerator's does."""
+    from tachyon.compat.deepspeed.accelerator import TachyonAccelerator
+
+    acc = TachyonAccelerator(cuda=False)
+    torch.manual_seed(0)
+    with acc.random().fork_rng(devices=[acc.current_device_name()], device_type=acc.device_name()):
+        inside = torch.rand(3)
+    assert torch.equal(torch.rand(3), inside)  # the CPU generator was restored after the block
+    assert acc.random().manual_seed is torch.random.manual_seed

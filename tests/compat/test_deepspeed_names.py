@@ -181,7 +181,8 @@ def test_comm_maps_tachyons_startup_and_torchs_collectives():
     assert list(inspect.signature(deepspeed.comm.init_distributed).parameters) == [
         "dist_backend", "auto_mpi_discovery", "distributed_port", "verbose", "timeout", "init_method",
         "dist_init_required", "config", "rank", "world_size"]  # DeepSpeed's order, over tachyon's
-    deepspeed.comm.init_distributed(dist_init_required=False)  # DeepSpeed's "do not start one"
+    with pytest.raises(RuntimeError, match="dist_init_required=False.* torch.distributed is not initialized"):
+        deepspeed.comm.init_distributed(dist_init_required=False)  # DeepSpeed's "use the script's": there is none
     assert not dist.is_initialized()
     assert deepspeed.comm.get_rank is tdist.get_rank and deepspeed.comm.new_group is tdist.new_group
     assert deepspeed.comm.all_reduce is dist.all_reduce and deepspeed.comm.ReduceOp is dist.ReduceOp

@@ -22,7 +22,8 @@ def test_defaults_follow_deepspeed():
 def test_old_and_alternative_names():
     cfg = build_config(mp_size=2, kernel_inject=True, max_tokens=64, dtype="bf16")
     assert (cfg.tp_size, cfg.max_out_tokens, cfg.dtype) == (2, 64, torch.bfloat16)
-    assert build_config(config={"dtype": "fp16", "tensor_parallel": {"tp_size": 4}}, dtype=torch.float32).dtype == torch.float32
+    assert build_config(config={"dtype": "fp16", "tensor_parallel": {"tp_size": 4}}, dtype="fp16").tp_size == 4
+    assert build_config(config={"dtype": "torch.float32"}).dtype == torch.float32  # DeepSpeed's DtypeEnum strings
     assert build_config(tensor_parallel={"tp_size": 2, "enabled": False}).tp_size == 1
     int8 = build_config(dtype=torch.int8)
     assert int8.int8 and int8.quant.num_bits == 8 and int8.quant.group_size is None
@@ -34,6 +35,7 @@ def test_old_and_alternative_names():
     (dict(dtype=torch.float64), "dtype.*allowed: torch.float32, torch.float16, torch.bfloat16, torch.int8"),
     (dict(dtype="fp8"), "allowed"),
     (dict(mp_size=2, tensor_parallel={"tp_size": 4}), "disagree"),
+    (dict(config={"dtype": "fp16"}, dtype=torch.float32), "`dtype` is given in config= .*different values"),
     (dict(tensor_paralel={"tp_size": 2}), "did you mean 'tensor_parallel'"),
     (dict(tensor_parallel={"tp_sise": 2}), "did you mean 'tensor_parallel.tp_size'"),
     (dict(tensor_parallel={"tp_size": 0}), "tp_size` must be an int >= 1"),

@@ -115,8 +115,6 @@ def _one_stage(**kw) -> PipelineModule:
      "PipelineSchedule: interleaved_1F1B needs a PipelineModule with stages_per_rank >= 2"),
     ({"data_types": {"grad_accum_dtype": "fp32"}, "bf16": {"enabled": True}},
      '`data_types.grad_accum_dtype: "fp32"` with a PipelineModule'),
-    ({"pipeline": {"activation_checkpoint_interval": 2}},
-     "`pipeline.activation_checkpoint_interval: 2` but the PipelineModule was built with 0"),
     ({"progressive_layer_drop": {"enabled": True}},
      "`progressive_layer_drop.enabled: true` makes the engine call the model's forward with progressive_layer_drop="
      "True, pld_theta=<theta>, but PipelineModule.forward takes no progressive_layer_drop"),
@@ -124,6 +122,14 @@ def _one_stage(**kw) -> PipelineModule:
 def test_pipeline_settings_that_do_not_fit_the_module_are_refused(world, sections, message):
     world(2)
     _refused(_one_stage(), {"train_micro_batch_size_per_gpu": 1, **sections}, ConfigError, message)
+
+
+def test_dist_init_required_false_in_a_multi_rank_job_without_a_process_group_is_refused(world):
+    """Each rank would otherwise train alone; DeepSpeed refuses too. One process (no WORLD_SIZE)
+    still trains with dist_init_required=False."""
+    world(2)
+    _refused(T.build_gpt(), E.config(), ValueError, "dist_init_required=False but torch.distributed is not "
+             "initialized and the environment says WORLD_SIZE=2", dist_init_required=False)
 
 
 def test_an_mpu_must_be_one_and_needs_torch_distributed(world):

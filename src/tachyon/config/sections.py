@@ -464,8 +464,12 @@ class PipelineConfig(Section):
     its micro-batches are the ``gradient_accumulation_steps``. ``partition`` (``"best"`` =
     ``"parameters"``), ``seed_layers`` and ``activation_checkpoint_interval`` are the
     PipelineModule's constructor arguments of the same meaning: ``tachyon train --pp`` builds
-    its PipelineModule with them, and a PipelineModule given to `tachyon.initialize` must agree
-    with any of them the config sets. ``pipe_partitioned`` / ``grad_partitioned`` (DeepSpeed's
+    its PipelineModule with them; a PipelineModule given to `tachyon.initialize` must agree
+    with the first two when the config sets them, and a positive
+    ``activation_checkpoint_interval`` is applied to it (DeepSpeed's PipelineEngine).
+    ``use_reentrant: false`` sets its ``activation_checkpoint_func`` to
+    ``checkpointing.non_reentrant_checkpoint``; true / unset (DeepSpeed's default) keeps the
+    module's function (tachyon's checkpointing is non-reentrant either way). ``pipe_partitioned`` / ``grad_partitioned`` (DeepSpeed's
     splitting of the activations sent between stages over tensor-parallel ranks) are accepted
     and have no effect (`tachyon.config.ACCEPTED_IGNORED_KEYS`).
     """
@@ -475,6 +479,7 @@ class PipelineConfig(Section):
     partition: Annotated[str, BeforeValidator(_partition_method)] = "parameters"
     seed_layers: bool = False
     activation_checkpoint_interval: NonNegativeInt = 0
+    use_reentrant: bool | None = None
 
     @property
     def num_stages(self) -> int | None:

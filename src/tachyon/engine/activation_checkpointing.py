@@ -76,7 +76,7 @@ from tachyon.fp8.checkpoint import fp8_checkpoint_context_fn
 
 __all__ = [
     "CheckpointingSettings", "checkpoint", "checkpoint_sequential", "configure", "get_profile",
-    "get_settings", "is_configured", "log_profile", "reset", "reset_profile",
+    "get_settings", "is_configured", "log_profile", "non_reentrant_checkpoint", "reset", "reset_profile",
 ]
 
 logger = logging.getLogger(__name__)
@@ -458,6 +458,11 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         )
     _synchronize_boundary()
     return out
+
+
+non_reentrant_checkpoint = checkpoint
+"""DeepSpeed's name for its non-reentrant checkpoint (``pipeline.use_reentrant: false`` selects it
+for a PipelineModule): tachyon's `checkpoint`, which is non-reentrant always."""
 
 
 def _run_segment(functions: list[Callable[..., Any]]) -> Callable[[Any], Any]:

@@ -241,6 +241,12 @@ class DeepSpeedEngineSurface:
         self.micro_steps = self.global_steps * gas
 
     # ------------------------------------------------------------------ precision and config getters
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """DeepSpeed's PipelineEngine check (`tachyon.engine.pipeline.reentrant_checkpointing`)."""
+        from .pipeline import reentrant_checkpointing
+
+        return self.is_pipeline and reentrant_checkpointing(self.module)
+
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
 

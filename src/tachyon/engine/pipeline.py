@@ -76,18 +76,44 @@ def check_parallel_inputs(model: Any, config: TachyonConfig, layout: Any, optimi
         raise ConfigError(f"`pipeline.schedule: {config.pipeline.schedule!r}` with gradient_accumulation_steps="
                           f"{config.gradient_accumulation_steps} (the micro-batches per batch): {error}") from None
     defaults = type(config.pipeline)()
-    for key, built in (("partition", model.partition_method), ("seed_layers", model.seed_layers),
-                       ("activation_checkpoint_interval", model.activation_checkpoint_interval)):
+    for key, built in (("partition", model.partition_method), ("seed_layers", model.seed_layers)):
         wanted = getattr(config.pipeline, key)
         if wanted != getattr(defaults, key) and wanted != built:
             raise ConfigError(f"`pipeline.{key}: {wanted!r}` but the PipelineModule was built with {built!r}; its "
                               "constructor arguments decide: make them agree (or leave the key out)")
 
 
+def apply_checkpointing(model: PipelineModule, config: TachyonConfig) -> None:
+    """DeepSpeed's PipelineEngine: ``pipeline.use_reentrant: false`` makes the module checkpoint with
+    ``non_reentrant_checkpoint``, and a positive ``pipeline.activation_checkpoint_interval``
+    replaces the module's interval (0, the default, keeps the one it was built with)."""
+    from tachyon.engine.activation_checkpointing import non_reentrant_checkpoint
+
+    if config.pipeline.use_reentrant is False:
+        model.activation_checkpoint_func = non_reentrant_checkpoint
+    if config.pipeline.activation_checkpoint_interval > 0:
+        model.activation_checkpoint_interval = config.pipeline.activation_checkpoint_interval
+
+
+def reentrant_checkpointing(model: PipelineModule) -> bool:
+    """DeepSpeed's ``_reentrant_activation_checkpointing`` (whether the first stage's inputs must
+    require grad): the module checkpoints and its function is not a non-reentrant one. tachyon's
+    checkpointing and a PipelineModule's default function are non-reentrant: only a function the
+    user gave counts."""
+    from tachyon.engine.activation_checkpointing import non_reentrant_checkpoint
+    from tachyon.parallel.pipeline.module import _default_checkpoint
+
+    return model.activation_checkpoint_interval > 0 and \
+        model.activation_checkpoint_func not in (non_reentrant_checkpoint, _default_checkpoint)
+
+
 def build_schedule(model: PipelineModule, config: TachyonConfig, device: torch.device, precision: Precision) -> Any:
     """The PipelineSchedule running ``gradient_accumulation_steps`` micro-batches per batch, applying
-    the fp16 loss scale inside (its backward runs in the schedule)."""
+    the fp16 loss scale inside (its backward runs in the schedule), after the config's
+    checkpointing settings went onto the module (`apply_checkpointing`)."""
     from tachyon.parallel.pipeline import PipelineSchedule
+
+    apply_checkpointing(model, config)
 
     scale = (lambda: precision.loss_scale) if precision.name == "fp16" else None
     return PipelineSchedule(model, micro_batches=config.gradient_accumulation_steps, schedule=config.pipeline.schedule,

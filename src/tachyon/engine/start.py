@@ -58,7 +58,8 @@ def initialize(
             ``tachyon.parallel.Mesh(...).mpu``); None: from a PipelineModule's mesh or the
             config's ``pipeline`` / ``tensor_parallel`` sections (`tachyon.parallel.layout`).
         dist_init_required: None: start torch.distributed when RANK and WORLD_SIZE are in the
-            environment and it is not running yet; True: require that; False: never.
+            environment and it is not running yet; True: require that; False: never (a
+            ``WORLD_SIZE`` above 1 without a running process group is then an error).
         collate_fn: for the DataLoader.
         config: a path to a DeepSpeed-style JSON file, a dict or a TachyonConfig.
         config_params: DeepSpeed's older name for ``config``.
@@ -156,9 +157,14 @@ def _planned_world(dist_init_required: bool | None) -> tuple[int, bool]:
     """(world size the job will have, whether initialize must start torch.distributed)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), False
-    if dist_init_required is False:
-        return 1, False
     env = os.environ
+    if dist_init_required is False:
+        if env.get("WORLD_SIZE", "1").strip() not in ("", "1"):
+            raise ValueError(
+                f"dist_init_required=False but torch.distributed is not initialized and the environment says "
+                f"WORLD_SIZE={env['WORLD_SIZE']}: each rank would train alone. Start the process group first "
+                "(torch.distributed.init_process_group / tachyon.init_distributed) or pass dist_init_required=None")
+        return 1, False
     if "RANK" in env and "WORLD_SIZE" in env:
         try:
             world = int(env["WORLD_SIZE"])

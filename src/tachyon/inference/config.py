@@ -5,7 +5,8 @@
                            quant={"enabled": True, "weight": {"num_bits": 8, "group_size": 128}})
     tachyon.init_inference(model, config={"dtype": "fp16", "mp_size": 2})      # the dict form
 
-Every argument may also come in ``config=`` (a dict, or a JSON file path); keyword arguments win.
+Every argument may also come in ``config=`` (a dict, or a JSON file path); an argument given both
+ways must have the same value there (as in DeepSpeed: a conflict is an error).
 Old and alternative DeepSpeed names are accepted: ``mp_size`` (= tensor_parallel.tp_size),
 ``kernel_inject`` (= replace_with_kernel_inject), ``injection_dict`` (= injection_policy),
 ``max_tokens`` (= max_out_tokens). DeepSpeed arguments tachyon does not implement are refused by
@@ -28,7 +29,10 @@ DTYPES: dict[Any, torch.dtype] = {
     torch.float32: torch.float32, torch.float16: torch.float16, torch.bfloat16: torch.bfloat16, torch.int8: torch.int8,
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "int8": torch.int8,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "bfloat": torch.bfloat16, "int8": torch.int8,
+    # DeepSpeed's DtypeEnum also takes the dtypes' printed names (a JSON config's "torch.float16")
+    "torch.float32": torch.float32, "torch.float16": torch.float16, "torch.bfloat16": torch.bfloat16,
+    "torch.int8": torch.int8,
 }
 ALLOWED_DTYPES = "torch.float32, torch.float16, torch.bfloat16, torch.int8 (or 'fp32', 'fp16', 'bf16', 'int8')"
 
@@ -103,6 +107,13 @@ def _load_dict(config: Any) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ConfigError(f"init_inference: config must be a dict or a JSON file path; got {render(config)}")
     return dict(config)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # values whose == does not give a bool (tensors): the same object only
+        return a is b
 
 
 def _bool(problems: list[str], key: str, value: Any) -> bool:
@@ -184,8 +195,12 @@ def build_config(config: Any = None, **kwargs: Any) -> InferenceConfig:
     """An InferenceConfig from ``config`` (dict / JSON path) and keyword arguments; every problem
     found is reported at once (ConfigError, a ValueError)."""
     merged = _load_dict(config)
-    merged.update(kwargs)
     problems: list[str] = []
+    for key in sorted(set(merged) & set(kwargs)):
+        if not _same(merged[key], kwargs[key]):
+            problems.append(f"`{key}` is given in config= ({render(merged[key])}) and as an argument "
+                            f"({render(kwargs[key])}) with different values; give it once")
+    merged.update(kwargs)
     ignored = []
     for old, new in ALIASES.items():
         if old in merged:

@@ -18,6 +18,29 @@ from typing import Any
 import torch
 
 
+def _cpu_fork_rng(devices: Any = None, enabled: bool = True, _caller: str = "fork_rng",
+                  _devices_kw: str = "devices", device_type: str = "cuda") -> Any:
+    """torch.random.fork_rng for the CPU accelerator: DeepSpeed passes
+    ``device_type=get_accelerator().device_name()``, and torch has no CPU device RNG module to fork
+    ("cpu" fails in torch): the CPU generator, which fork_rng always forks, is all there is."""
+    if device_type == "cpu":
+        return torch.random.fork_rng(devices=[], enabled=enabled, _caller=_caller, _devices_kw=_devices_kw)
+    return torch.random.fork_rng(devices, enabled, _caller, _devices_kw, device_type)
+
+
+class _CpuRandom:
+    """``get_accelerator().random()`` without a GPU: torch.random with a ``fork_rng`` that takes
+    ``device_type="cpu"``."""
+
+    fork_rng = staticmethod(_cpu_fork_rng)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.random, name)
+
+
+_CPU_RANDOM = _CpuRandom()
+
+
 class TachyonAccelerator:
     """DeepSpeed's accelerator interface over torch.cuda, or the CPU when there is no GPU."""
 
@@ -86,7 +109,7 @@ class TachyonAccelerator:
 
     # ------------------------------------------------------------------ random numbers
     def random(self) -> Any:
-        return torch.random
+        return torch.random if self.cuda else _CPU_RANDOM
 
     def manual_seed(self, seed: int) -> None:
         (torch.cuda.manual_seed if self.cuda else torch.manual_seed)(seed)

@@ -31,8 +31,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      world_size: int = -1) -> None:
     """DeepSpeed's ``init_distributed`` (its argument order) on `tachyon.init_distributed`.
 
-    ``dist_init_required=False`` starts nothing (DeepSpeed then uses a process group the script
-    made); ``distributed_port`` becomes MASTER_PORT when the environment has none (DeepSpeed uses
+    ``dist_init_required=False`` starts nothing: it requires the process group the script made
+    and, as DeepSpeed, raises when there is none; ``distributed_port`` becomes MASTER_PORT when the environment has none (DeepSpeed uses
     it when it discovers an MPI launch); ``config`` only configures DeepSpeed's communication
     logger and is ignored unless that logger is enabled (refused: not provided)."""
     from tachyon.parallel.distributed import DEFAULT_TIMEOUT
@@ -40,6 +40,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
     _refuse_comms_logger(config)
     if dist_init_required is False:
+        if not dist.is_initialized():
+            raise RuntimeError("init_distributed(dist_init_required=False) uses the process group the script started, "
+                               "and torch.distributed is not initialized; call torch.distributed.init_process_group "
+                               "first, or pass dist_init_required=None (or True) to start one here")
         return
     if distributed_port != DEFAULT_PORT and "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(distributed_port)

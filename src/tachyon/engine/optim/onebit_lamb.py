@@ -93,7 +93,7 @@ class OneBitLamb(OneBitOptimizer):
         _check_lamb_arguments(max_coeff, min_coeff, coeff_beta, factor_max, factor_min, factor_threshold)
         self.coeff_beta, self.factor_max, self.factor_min = coeff_beta, factor_max, factor_min
         self.factor_threshold = factor_threshold
-        self._lamb_coeffs: list[Tensor] = []
+        self.lamb_coeffs: list[Tensor] = []
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
                         max_coeff=max_coeff, min_coeff=min_coeff)
         super().__init__(params, defaults, freeze_step=freeze_step, cuda_aware=cuda_aware,
@@ -106,11 +106,12 @@ class OneBitLamb(OneBitOptimizer):
         return self.in_compression_stage
 
     def get_lamb_coeffs(self) -> list[float]:
-        """The per-parameter coefficients of the last step (DeepSpeed's accessor; synchronizes)."""
-        return [float(x) for c in self._lamb_coeffs for x in c.tolist()]
+        """The per-parameter coefficients of the last step, a new list (DeepSpeed's accessor; its
+        ``lamb_coeffs`` attribute holds them until the next step; synchronizes)."""
+        return [float(x) for c in self.lamb_coeffs for x in torch.as_tensor(c).reshape(-1).tolist()]
 
     def step(self, closure=None):
-        self._lamb_coeffs = []
+        self.lamb_coeffs = []
         return super().step(closure)
 
     def _group_vector(self, group: dict, plan: SegmentPlan, key: str, fill: float) -> Tensor:
@@ -142,7 +143,7 @@ class OneBitLamb(OneBitOptimizer):
         ratio = torch.where(both, ratio, torch.ones_like(ratio))
         frozen = self._group_vector(group, plan, "lamb_coeff_freeze", 0.0)
         frozen.copy_(torch.where(both, self.coeff_beta * frozen + (1.0 - self.coeff_beta) * ratio, frozen))
-        self._lamb_coeffs.append(ratio)
+        self.lamb_coeffs.append(ratio)
         for i, (p, p32, u, t) in enumerate(zip(group["params"], p32s, updates, steps)):
             if u is None:
                 continue
@@ -184,7 +185,7 @@ class OneBitLamb(OneBitOptimizer):
                                last * (1.0 + self.factor_threshold))
         last.copy_(factor)
         coeff = self._group_vector(group, plan, "lamb_coeff_freeze", 0.0) * factor
-        self._lamb_coeffs.append(coeff)
+        self.lamb_coeffs.append(coeff)
         for i, (p, p32, update) in enumerate(zip(group["params"], p32s, updates)):
             state = self.state[p]
             step_size = lamb_step_size(group, int(state["step"]))

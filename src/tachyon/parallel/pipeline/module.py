@@ -30,8 +30,11 @@ optimizer steps keep them bit-identical.
 if given), so its initial values do not depend on the partition; the global RNG state is
 restored afterwards. ``activation_checkpoint_interval=k > 0`` recomputes each run of k layers in
 the backward (``activation_checkpoint_func``, default ``torch.utils.checkpoint.checkpoint``
-without reentrancy), restricted to layers whose class name is in ``checkpointable_layers`` when
-given.
+without reentrancy). As in DeepSpeed, a run is checkpointed when one of its layers is a module
+with parameters or, with ``checkpointable_layers``, when every layer's class name is listed
+(``is_checkpointable_results``: one entry per run of this rank's stages). Both attributes may be
+changed after building (``set_checkpoint_interval``, DeepSpeed's; the engine applies the
+config's ``pipeline.activation_checkpoint_interval`` / ``use_reentrant`` this way).
 """
 
 from __future__ import annotations
@@ -64,13 +67,28 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, index: int, start: int, funcs: list[Callable], modules: dict[str, nn.Module],
-                 checkpoint_interval: int, checkpoint_func: Callable, checkpointable: list[bool]) -> None:
+                 checkpoint_interval: int, checkpoint_func: Callable, names: list[str],
+                 checkpointable_layers: list[str] | None) -> None:
         super().__init__()
         self.index, self.start, self.stop = index, start, start + len(funcs)
         for name, module in modules.items():
             self.add_module(name, module)
-        self._funcs = funcs
-        self._interval, self._checkpoint_func, self._checkpointable = checkpoint_interval, checkpoint_func, checkpointable
+        self._funcs, self._names, self._checkpointable_layers = funcs, names, checkpointable_layers
+        self.set_checkpointing(checkpoint_interval, checkpoint_func)
+
+    def set_checkpointing(self, interval: int, checkpoint_func: Callable) -> None:
+        """Checkpoint every run of ``interval`` layers (0: none) with ``checkpoint_func``."""
+        self._interval, self._checkpoint_func = interval, checkpoint_func
+        n = len(self._funcs)
+        self.is_checkpointable_results = [self._is_checkpointable(lo, min(n, lo + interval))
+                                          for lo in range(0, n, interval)] if interval > 0 else []
+
+    def _is_checkpointable(self, lo: int, hi: int) -> bool:
+        """DeepSpeed's rule for a run of layers: every class name in ``checkpointable_layers``
+        when given, else any layer is a module with parameters (parameter-free runs are cheap to keep)."""
+        if self._checkpointable_layers is not None:
+            return all(name in self._checkpointable_layers for name in self._names[lo:hi])
+        return any(isinstance(f, nn.Module) and next(iter(f.parameters()), None) is not None for f in self._funcs[lo:hi])
 
     def ordered_layers(self) -> list[Callable]:
         """The stage's layers in the order they run (modules, or functions for parameter-free
@@ -91,11 +109,10 @@ class StageModule(nn.Module):
         n = len(self._funcs)
         if self._interval == 0 or not (self.training and torch.is_grad_enabled()):
             return self._run(0, n)(x)
-        for lo in range(0, n, self._interval):
-            hi = min(n, lo + self._interval)
-            run = self._run(lo, hi)
+        for block, lo in enumerate(range(0, n, self._interval)):
+            run = self._run(lo, min(n, lo + self._interval))
             args = x if isinstance(x, tuple) else (x,)
-            x = self._checkpoint_func(run, *args) if all(self._checkpointable[lo:hi]) else run(*args)
+            x = self._checkpoint_func(run, *args) if self.is_checkpointable_results[block] else run(*args)
         return x
 
 
@@ -157,16 +174,16 @@ class PipelineModule(nn.Module):
         self.num_stages, self.stages_per_rank, self.total_stages = pp, stages_per_rank, total
         self.pp_rank = mesh.rank("pp") if mesh is not None else 0
         self.partition_method = partition_method
-        self.seed_layers, self.activation_checkpoint_interval = bool(seed_layers), activation_checkpoint_interval
+        self.seed_layers = bool(seed_layers)
         self.parts = partition_layers(layers, total, partition_method)
         self.stage_ids = [self.pp_rank + k * pp for k in range(stages_per_rank)]
         self._layer_specs = layers
         self.tied_modules = nn.ModuleDict()
         self._tied_attrs: dict[str, tuple[str, ...]] = {}
         self._seed = (seed_layers, seed_fn, base_seed)
-        checkpoint_func = activation_checkpoint_func or _default_checkpoint
-        stages = [self._build_stage(s, activation_checkpoint_interval, checkpoint_func, checkpointable_layers)
-                  for s in self.stage_ids]
+        self._ac_interval = activation_checkpoint_interval
+        self._ac_func = activation_checkpoint_func or _default_checkpoint
+        stages = [self._build_stage(s, checkpointable_layers) for s in self.stage_ids]
         object.__setattr__(self, "stage_modules", stages)  # not registered twice: the layers are children of self
         self._tie_groups = self._make_tie_groups()
         self._synchronize_tied_weights()
@@ -180,12 +197,10 @@ class PipelineModule(nn.Module):
             (seed_fn or torch.manual_seed)(base_seed + index)
             return spec.build()
 
-    def _build_stage(self, stage: int, interval: int, checkpoint_func: Callable,
-                     checkpointable_layers: list[str] | None) -> StageModule:
+    def _build_stage(self, stage: int, checkpointable_layers: list[str] | None) -> StageModule:
         start, stop = self.parts[stage], self.parts[stage + 1]
         funcs: list[Callable] = []
         modules: dict[str, nn.Module] = {}
-        checkpointable: list[bool] = []
         for index in range(start, stop):
             layer = self._layer_specs[index]
             if isinstance(layer, TiedLayerSpec):
@@ -206,11 +221,48 @@ class PipelineModule(nn.Module):
                 funcs.append(layer)
             else:
                 funcs.append(layer)
-            if checkpointable_layers is not None:
-                checkpointable.append(layer_type_name(layer) in checkpointable_layers)
-            else:  # DeepSpeed: checkpoint what has parameters; parameter-free functions are cheap to keep
-                checkpointable.append(isinstance(layer, (LayerSpec, nn.Module)))
-        return StageModule(stage, start, funcs, modules, interval, checkpoint_func, checkpointable)
+        names = [layer_type_name(layer) for layer in self._layer_specs[start:stop]]
+        return StageModule(stage, start, funcs, modules, self._ac_interval, self._ac_func, names, checkpointable_layers)
+
+    # ------------------------------------------------------------------ activation checkpointing
+    @property
+    def activation_checkpoint_interval(self) -> int:
+        """Layers per checkpointed run (0: no checkpointing); settable, as DeepSpeed's attribute."""
+        return self._ac_interval
+
+    @activation_checkpoint_interval.setter
+    def activation_checkpoint_interval(self, interval: int) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"PipelineModule: activation_checkpoint_interval must be an int >= 0; got {interval!r}")
+        self._ac_interval = interval
+        self._precompute_checkpointable_values()
+
+    @property
+    def activation_checkpoint_func(self) -> Callable:
+        """The function a checkpointed run goes through, ``func(run, *inputs)``; settable."""
+        return self._ac_func
+
+    @activation_checkpoint_func.setter
+    def activation_checkpoint_func(self, func: Callable) -> None:
+        if not callable(func):
+            raise ValueError(f"PipelineModule: activation_checkpoint_func must be callable; got {func!r}")
+        self._ac_func = func
+        self._precompute_checkpointable_values()
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """DeepSpeed's setter: checkpoint every ``interval`` layers from the next forward on."""
+        self.activation_checkpoint_interval = interval
+
+    def _precompute_checkpointable_values(self) -> None:
+        """Recompute which runs of layers are checkpointed for the current interval (DeepSpeed's name)."""
+        for stage in self.stage_modules:
+            stage.set_checkpointing(self._ac_interval, self._ac_func)
+
+    @property
+    def is_checkpointable_results(self) -> list[bool]:
+        """Per run of ``activation_checkpoint_interval`` layers of this rank's stages (in order):
+        whether it is checkpointed (empty when the interval is 0)."""
+        return [result for stage in self.stage_modules for result in stage.is_checkpointable_results]
 
     # ------------------------------------------------------------------ tied weights
     def _tied_placement(self) -> dict[str, tuple[list[int], int]]:

@@ -86,7 +86,9 @@ def _cat(items: list[Any], what: str) -> Any:
         return torch.cat(items, dim=0)
     if isinstance(first, (tuple, list)):
         return tuple(_cat([item[i] for item in items], f"{what}[{i}]") for i in range(len(first)))
-    raise ValueError(f"PipelineSchedule: {what} must be tensors or tuples of tensors; got {type(first).__name__}")
+    if isinstance(first, (bool, int, float)) and all(type(item) is type(first) for item in items):
+        return torch.tensor(items)  # a number per micro-batch (DeepSpeed passes them): loss_fn gets a 1-element tensor
+    raise ValueError(f"PipelineSchedule: {what} must be tensors, tuples of tensors or numbers; got {type(first).__name__}")
 
 
 class PipelineSchedule:

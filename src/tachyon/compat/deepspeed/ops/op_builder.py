@@ -29,6 +29,17 @@ class OpBuilder:
     def absolute_name(self) -> str:
         return f"deepspeed.ops.{self.NAME}"
 
+    @staticmethod
+    def installed_rocm_version() -> tuple[int, int]:
+        """DeepSpeed's ROCm check: (major, minor) of the ROCm torch was built for, (0, 0) without."""
+        import torch
+
+        hip = getattr(torch.version, "hip", None)
+        if not hip:
+            return 0, 0
+        major, minor = (hip.split(".") + ["0"])[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
 
 def _builder(class_name: str, name: str, compatible: bool, instead: str) -> type:
     return type(class_name, (OpBuilder,), {"NAME": name, "compatible": compatible, "instead": instead})

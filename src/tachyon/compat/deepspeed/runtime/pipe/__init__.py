@@ -1,5 +1,5 @@
 """``deepspeed.runtime.pipe``: ``topology`` (DeepSpeed's process topologies), ``schedule``
-(DeepSpeed's instruction-list schedules) and the pipeline module names (``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``), as ``deepspeed.pipe``."""
+(DeepSpeed's instruction-list schedules), ``module`` and the pipeline module names (``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``), as ``deepspeed.pipe``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tachyon.compat._names import Target, module_getattr
 
 _TABLE = {name: Target((("tachyon.compat.deepspeed.pipe", name),))
           for name in ("PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology")}
-_SUBMODULES = ("schedule", "topology")
+_SUBMODULES = ("module", "schedule", "topology")
 _lookup = module_getattr(__name__, "deepspeed.runtime.pipe", _TABLE, lambda: list(_SUBMODULES))
 
 

@@ -1,0 +1,8 @@
+"""``deepspeed.runtime.comm.nccl``: DeepSpeed's ``NcclBackend`` is not provided (see ``deepspeed.runtime.comm``)."""
+
+from tachyon.compat._names import module_getattr, unsupported
+from tachyon.compat.deepspeed.runtime.comm import WHY
+
+_TABLE = {"NcclBackend": unsupported(WHY)}
+__getattr__ = module_getattr(__name__, "deepspeed.runtime.comm.nccl", _TABLE)
+__all__ = list(_TABLE)
