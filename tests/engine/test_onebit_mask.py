@@ -64,6 +64,44 @@ def test_exp_avg_mask_applies_through_initialize(stage):
     assert safe_get_full_optimizer_state(model.fc2.weight, "exp_avg").abs().min() > 0
 
 
+def _train(engine, steps: int = 4) -> None:
+    for step in range(steps):
+        torch.manual_seed(step)
+        engine.backward(engine(torch.randn(2, 6)).square().mean())
+        engine.step()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_flattened_group_mask_is_the_shaped_one(stage):
+    """DeepSpeed's fp16 optimizer masks each group flattened into one tensor, so its scripts give the
+    mask flattened: the same mask, cut into the group's parameters in order."""
+    mask = torch.ones(8, 6)
+    mask[:3] = 0
+    shaped, shaped_model = _engine(stage, mask)
+    flat, flat_model = _engine(stage, mask.flatten())
+    assert torch.equal(flat.optimizer.param_groups[0]["exp_avg_mask"], shaped.optimizer.param_groups[0]["exp_avg_mask"])
+    _train(shaped)
+    _train(flat)
+    assert shaped.optimizer.in_compression_stage
+    for a, b in zip(shaped_model.parameters(), flat_model.parameters()):
+        assert torch.equal(a, b)
+    # a group of two parameters: the mask is their 48 + 8 elements flattened, in the group's order
+    torch.manual_seed(0)
+    model = Net()
+    bias_mask = torch.tensor([1.0, 0.0] * 4)
+    groups = [{"params": [model.fc1.weight, model.fc1.bias], "exp_avg_mask": torch.cat([mask.flatten(), bias_mask])},
+              {"params": list(model.fc2.parameters())}]
+    config = {"train_batch_size": 2, "optimizer": {"type": "OneBitAdam", "params": {"lr": 0.01, "freeze_step": 2}},
+              "zero_optimization": {"stage": stage}}
+    engine, *_ = tachyon.initialize(model=model, model_parameters=groups, config=config)
+    _train(engine)
+    assert not safe_get_full_optimizer_state(model.fc1.weight, "exp_avg")[:3].any()
+    bias_momentum = safe_get_full_optimizer_state(model.fc1.bias, "exp_avg")
+    assert not bias_momentum[1::2].any() and bias_momentum[0::2].abs().min() > 0
+
+
 def test_exp_avg_mask_that_fits_no_parameter_is_refused_at_initialize():
     with pytest.raises(ValueError, match=r"'exp_avg_mask' of shape \(6, 8\) does not broadcast.*own param group"):
         _engine(0, torch.ones(6, 8))
+    with pytest.raises(ValueError, match=r"shape \(47,\) does not broadcast.*not their 48 elements flattened"):
+        _engine(0, torch.ones(47))

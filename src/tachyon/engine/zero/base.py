@@ -197,18 +197,10 @@ class ZeroStrategy:
         return groups
 
     def _flat_mask(self, region: GroupRegion, master: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``mask`` (broadcast to each parameter of ``region``, as DeepSpeed applies a group's
-        ``exp_avg_mask`` to every parameter of the group) laid out as this rank's ``master``:
-        its elements of each parameter at their master offsets, 0 in the padding."""
+        """``mask`` laid out as this rank's ``master``: each parameter's mask (:func:`_masks_per_param`)
+        at its master offsets, 0 in the padding."""
         out = torch.zeros(master.numel(), dtype=torch.float32, device=master.device)
-        for slot in region.slots:
-            try:
-                full = torch.broadcast_to(mask, slot.param.shape)
-            except RuntimeError:
-                raise ValueError(
-                    f"param group {region.index}'s 'exp_avg_mask' of shape {tuple(mask.shape)} does not broadcast to "
-                    f"its parameter of shape {tuple(slot.param.shape)} (a group's mask applies to each of its "
-                    "parameters); give each masked parameter its own param group") from None
+        for slot, full in zip(region.slots, _masks_per_param(region, mask)):
             full = full.reshape(-1).to(device=master.device, dtype=torch.float32)
             if self.partitioned_masters:
                 for lo, hi, at in self.shards.partition_pieces(slot, self.rank):
@@ -451,3 +443,22 @@ class ZeroStrategy:
             out["offloaded"] = offloaded_bytes(host)
             out["pinned"] = pinned_bytes(host)
         return out
+
+
+def _masks_per_param(region: GroupRegion, mask: torch.Tensor) -> list[torch.Tensor]:
+    """A param group's ``exp_avg_mask`` for each of its parameters: ``mask`` broadcast to each (as
+    DeepSpeed applies a group's mask to every parameter of the group), or, where that fails, a 1-D
+    mask with as many elements as the group's parameters together cut into consecutive pieces, one
+    per parameter in the group's order (the flattened group DeepSpeed's fp16 optimizer masks:
+    scripts written for it give their masks flattened)."""
+    try:
+        return [torch.broadcast_to(mask, slot.param.shape) for slot in region.slots]
+    except RuntimeError:
+        sizes = [slot.numel for slot in region.slots]
+        if mask.dim() == 1 and mask.numel() == sum(sizes):
+            return list(mask.split(sizes))
+        shapes = ", ".join(str(tuple(slot.param.shape)) for slot in region.slots)
+        raise ValueError(
+            f"param group {region.index}'s 'exp_avg_mask' of shape {tuple(mask.shape)} does not broadcast to "
+            f"its parameters of shapes {shapes} (a group's mask applies to each of its parameters) and is not "
+            f"their {sum(sizes)} elements flattened; give each masked parameter its own param group") from None
