@@ -46,7 +46,8 @@ Progressive layer drop (``progressive_layer_drop`` section, `tachyon.engine.pld`
 mode the engine adds ``progressive_layer_drop=True, pld_theta=engine.get_pld_theta()`` to the
 model's forward (a model whose forward cannot take them is refused at initialize), and
 parameters that got no gradient in a step on any rank (dropped layers) are left untouched by the
-optimizer, master weights and moments alike.
+optimizer, master weights and moments alike. At ZeRO stage 3 each training forward runs on a CPU
+generator state shared by every rank (``engine.pld_draws``), so all ranks drop the same layers.
 
 MoQ (``quantize_training`` section, `tachyon.engine.moq`): after every optimizer step taken
 (boundary, no overflow) ``engine.quantizer`` counts the step and snaps the model's linear weights
