@@ -6,8 +6,8 @@ At stage 2 both ranks are seeded alike (each draws its own decisions from its ow
 same ones); at stage 3 rank r is seeded ``SEED + 10 r`` and the engine's shared generator state
 (rank 0's) must make both ranks draw stage 2's decisions, leaving each rank's own generator alone.
 After every stage-3 step the check here asserts that no unit is left gathered or with a pending
-all-gather, and that a layer no micro-batch ran kept its weights and this rank's shards of its
-Adam moments bit for bit."""
+all-gather, that exactly the layers no micro-batch ran have no gradient shard at the boundary,
+and that such a layer kept its weights and this rank's shards of its Adam moments bit for bit."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch import nn
 
 HIDDEN, SEQ, MICRO, DEPTH, STEPS, SEED = 16, 4, 2, 3, 5, 4
 PLD = {"enabled": True, "theta": 0.1, "gamma": 3.0}
+CLIP = 0.5
 
 
 class PLDStack(nn.Module):
@@ -115,7 +116,7 @@ def _config(stage: int, gas: int, precision: str, offload: str | None) -> dict:
         if offload == "param":
             zero["offload_param"] = {"device": "cpu"}
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "steps_per_print": 10**6,
-              "gradient_clipping": 0.5, "zero_optimization": zero,
+              "gradient_clipping": CLIP, "zero_optimization": zero,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
               "progressive_layer_drop": PLD}
     if precision == "bf16":
@@ -137,7 +138,13 @@ def _steps(engine, model, first: int, last: int, dtype: torch.dtype, stats: dict
         for micro in range(gas):
             x, y = _batch(step, micro, rank, dtype)
             engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            if stage3 and micro == gas - 1:  # a gradient shard exactly for the layers that ran in the window
+                ran = [any(f[i] for f in model.forwards[start:]) for i in range(DEPTH)]
+                has = dict(zip((s.name for s in engine.zero.flat.slots), engine.zero.slots_with_grad()))
+                wrong = [n for n, g in has.items() if n.startswith("layers.") and g != ran[int(n.split(".")[1])]]
+                assert not wrong, f"rank {rank} step {step}: gradient shards of {wrong} (layers ran: {ran})"
             engine.step()
+        stats["norms"].append(engine.get_global_grad_norm())
         if not stage3:
             continue
         problems = _units_at_rest(engine)
@@ -159,7 +166,7 @@ def _steps(engine, model, first: int, last: int, dtype: torch.dtype, stats: dict
 def train(stage: int, *, gas: int = 1, precision: str = "fp32", mode: str = "layer",
           offload: str | None = None) -> dict:
     """Five steps; returns the whole parameters, which layers ran in each forward, the stage-3
-    check's counts and whether this rank's own generator was left alone."""
+    check's counts, the global gradient norms and whether this rank's own generator was left alone."""
     import torch.distributed as dist
 
     import tachyon
@@ -170,7 +177,7 @@ def train(stage: int, *, gas: int = 1, precision: str = "fp32", mode: str = "lay
     engine, *_ = tachyon.initialize(model=model, config=_config(stage, gas, precision, offload))
     torch.manual_seed(SEED + (10 * rank if stage == 3 else 0))  # stage 3: the ranks seeded apart
     own = torch.get_rng_state()
-    stats = {"kept": 0, "dropped": 0}
+    stats = {"kept": 0, "dropped": 0, "norms": []}
     _steps(engine, model, 0, STEPS, dtype, stats)
     result = {"params": _whole(model), "forwards": model.forwards, **stats,
               "own_generator_untouched": torch.equal(own, torch.get_rng_state())}
@@ -190,7 +197,7 @@ def resume(root: str) -> dict:
     for name in ("straight", "resumed"):
         model = PLDStack()
         engine, *_ = tachyon.initialize(model=model, config=_config(3, 2, "fp32", None))
-        stats = {"kept": 0, "dropped": 0}
+        stats = {"kept": 0, "dropped": 0, "norms": []}
         if name == "straight":
             torch.manual_seed(SEED + 10 * rank)
             _steps(engine, model, 0, 2, torch.float32, stats)

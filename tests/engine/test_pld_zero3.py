@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.pld_zero3_cases import DEPTH, STEPS, scenarios
+from tests.engine.pld_zero3_cases import CLIP, DEPTH, STEPS, scenarios
 from tests.utils import assert_close, run_distributed, tolerance
 
 pytestmark = pytest.mark.distributed
@@ -51,6 +51,9 @@ def check_against_stage_2(results: list[dict], name: str) -> None:
         assert three["dropped"] >= 1 and three["kept"] >= 3, f"not enough of both cases: {three}"
         assert any(not all(f) for f in three["forwards"]) and any(all(f) for f in three["forwards"])
         assert three["own_generator_untouched"], "the keep draws at stage 3 used this rank's own generator"
+        assert max(three["norms"]) > CLIP, "clipping never engaged; its global norm was not exercised"
+        assert_close(torch.tensor(three["norms"]), torch.tensor(two["norms"]), rtol=max(rtol, FP32_RTOL), atol=atol,
+                     name=f"rank {rank} {name} global gradient norms")
         assert two["params"].keys() == three["params"].keys()
         for key, want in two["params"].items():
             if name.startswith("bf16"):  # both stages reduce in bf16, in another order: norm-wise, as test_zero3
