@@ -20,35 +20,49 @@ CLIP = 0.5
 
 
 class PLDStack(nn.Module):
-    """``DEPTH`` pre-LN tachyon TransformerLayers (stage-3 units) and a head (the root's).
+    """``DEPTH`` pre-LN tachyon layers (stage-3 units) and a head (the root's).
 
     ``mode``: "layer" passes the PLD arguments to each layer (the layer is called and returns its
     input when dropped: FSDP2's hooks still run); "checkpoint" does the same with every layer under
     ``tachyon.checkpointing.checkpoint``; "skip" draws in the model and does not call a dropped
-    layer at all (its FSDP2 hooks never run; the previous unit's forward prefetch of it is unused).
+    layer at all (its FSDP2 hooks never run; the previous unit's forward prefetch of it is unused);
+    "kernel" is "layer" with the BERT job's ``TransformerKernelLayer`` (pre-LN) instead.
     ``forwards`` records, per forward, which layers ran."""
 
     def __init__(self, mode: str = "layer", dtype: torch.dtype = torch.float32):
         super().__init__()
-        from tachyon.nn import TransformerLayer
+        from tachyon.nn import TransformerKernelConfig, TransformerKernelLayer, TransformerLayer
 
         torch.manual_seed(0)
         self.mode = mode
-        # bias=False: the key projection's bias has an exact gradient of zero (softmax ignores it),
-        # so its computed gradient is rounding noise, which AdamW turns into full-size steps that
-        # differ with the order of any sum: no tolerance could compare it between two stages
-        self.layers = nn.ModuleList(
-            TransformerLayer(HIDDEN, 2 * HIDDEN, 2, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd",
-                             layer_number=i, num_layers=DEPTH, params_dtype=dtype, bias=False)
-            for i in range(1, DEPTH + 1)
-        )
+        if mode == "kernel":  # the BERT job's layer (pre-LN), called with the PLD arguments; its packed
+            # qkv bias holds the key bias, whose exact gradient is zero (below): the test leaves it out
+            config = TransformerKernelConfig(batch_size=MICRO, max_seq_length=SEQ, hidden_size=HIDDEN,
+                                             intermediate_size=2 * HIDDEN, heads=2, attn_dropout_ratio=0.0,
+                                             hidden_dropout_ratio=0.0, num_hidden_layers=DEPTH,
+                                             initializer_range=0.1, seed=1, bf16=dtype == torch.bfloat16,
+                                             pre_layer_norm=True)
+            self.layers = nn.ModuleList(TransformerKernelLayer(config) for _ in range(DEPTH))
+            for number, layer in enumerate(self.layers, 1):
+                layer.layer_number = number
+        else:
+            # bias=False: the key projection's bias has an exact gradient of zero (softmax ignores
+            # it), so its computed gradient is rounding noise, which AdamW turns into full-size
+            # steps that differ with the order of any sum: no tolerance could compare it
+            self.layers = nn.ModuleList(
+                TransformerLayer(HIDDEN, 2 * HIDDEN, 2, hidden_dropout=0.0, attention_dropout=0.0,
+                                 attn_input_format="bshd", layer_number=i, num_layers=DEPTH, params_dtype=dtype,
+                                 bias=False)
+                for i in range(1, DEPTH + 1)
+            )
         self.head = nn.Linear(HIDDEN, 1, dtype=dtype)
         self.forwards: list[list[bool]] = []
-        for layer in self.layers:  # the attention block runs only when its layer is kept
-            layer.self_attention.register_forward_hook(self._mark)
+        for layer in self.layers:  # a dropped layer returns its input itself
+            layer.register_forward_hook(self._mark)
 
     def _mark(self, module, args, output) -> None:
-        self.forwards[-1][[layer.self_attention for layer in self.layers].index(module)] = True
+        index = [id(layer) for layer in self.layers].index(id(module))
+        self.forwards[-1][index] |= output is not args[0]
 
     def forward(self, x, progressive_layer_drop=False, pld_theta=None):
         import tachyon
@@ -216,6 +230,7 @@ CASES = {  # name: (arguments of both stages' runs, extra arguments of the stage
     "fp32-gas2": ({"gas": 2}, {}),
     "bf16-gas2": ({"gas": 2, "precision": "bf16"}, {}),
     "checkpointing": ({"mode": "checkpoint"}, {}),
+    "kernel-layer-gas2": ({"gas": 2, "mode": "kernel"}, {}),
     "skipped-calls-gas2": ({"gas": 2, "mode": "skip"}, {}),
     "offload-optimizer-gas2": ({"gas": 2}, {"offload": "optimizer"}),
     "offload-param-gas2": ({"gas": 2}, {"offload": "param"}),
