@@ -199,9 +199,9 @@ def train(stage: int, *, gas: int = 1, precision: str = "fp32", mode: str = "lay
 
 
 def resume(root: str) -> dict:
-    """Stage 3: 2 steps, a checkpoint, 3 more; then a fresh engine loads the checkpoint and trains
-    the same 3 steps (each rank's generator reset to a different seed first: the shared state
-    must come from the checkpoint)."""
+    """Stage 3: 2 steps, a checkpoint (and one with a malformed shared state), 3 more; then a fresh
+    engine tries the malformed one, loads the good one and trains the same 3 steps (each rank's
+    generator reset to a different seed first: the shared state must come from the checkpoint)."""
     import torch.distributed as dist
 
     import tachyon
@@ -216,12 +216,23 @@ def resume(root: str) -> dict:
             torch.manual_seed(SEED + 10 * rank)
             _steps(engine, model, 0, 2, torch.float32, stats)
             engine.save_checkpoint(root, tag="pld3")
+            good, engine.pld_draws.state = engine.pld_draws.state, torch.zeros(3, dtype=torch.uint8)
+            engine.save_checkpoint(root, tag="malformed", save_latest=False)  # a shared state of the wrong shape
+            engine.pld_draws.state = good
             model.forwards.clear()
         else:
+            try:
+                engine.load_checkpoint(root, tag="malformed")
+                refused = ""
+            except Exception as error:  # noqa: BLE001 - the test reads the message
+                refused = f"{type(error).__name__}: {error}"
+            untouched = engine.global_steps == 0 and engine.pld_draws.state is None
             engine.load_checkpoint(root, tag="pld3")
             torch.manual_seed(99 + rank)
         _steps(engine, model, 2, STEPS, torch.float32, stats)
         runs[name] = {"params": _whole(model), "forwards": model.forwards, "global_steps": engine.global_steps}
+        if name == "resumed":
+            runs[name].update(refused=refused, untouched=untouched)
     return runs
 
 

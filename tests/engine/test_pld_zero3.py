@@ -87,9 +87,13 @@ def test_pld_at_stage_3_trains_to_stage_2s_parameters_more(pld3_slow, name):
 
 def test_stage_3_resumes_the_keep_draws_from_a_checkpoint(pld3):
     """Save after 2 steps at stage 3, then a fresh engine loads it with every rank's generator
-    reseeded: the next 3 steps drop the same layers and end at the same parameters (exactly)."""
+    reseeded: the next 3 steps drop the same layers and end at the same parameters (exactly). A
+    checkpoint whose shared state is malformed is refused before anything changes."""
     for result in pld3:
         straight, resumed = result["resume"]["straight"], result["resume"]["resumed"]
+        assert "CheckpointError" in resumed["refused"], resumed["refused"]
+        assert "shared progressive-layer-drop generator state" in resumed["refused"], resumed["refused"]
+        assert resumed["untouched"], "the refused load changed the engine"
         assert resumed["global_steps"] == straight["global_steps"] == STEPS
         assert resumed["forwards"] == straight["forwards"]
         assert any(not all(f) for f in resumed["forwards"]), "no layer dropped after the resume"

@@ -125,8 +125,8 @@ class SharedLayerDraws:
     """One CPU generator state for the layers' keep draws, the same on every rank of the job
     (ZeRO stage 3: module docstring).
 
-    The first training forward takes global rank 0's default CPU generator state (one broadcast
-    of ~5 kB), so ``torch.manual_seed`` before training reproduces the draws as at stages 0-2,
+    The first training forward takes global rank 0's default CPU generator state (one all-reduce
+    of ~5 kB in which only rank 0 contributes), so ``torch.manual_seed`` before training reproduces the draws as at stages 0-2,
     and a one-process run with the same seed draws the same decisions (when the forwards draw
     nothing else from the CPU generator). Each training forward then runs with this state
     swapped into torch's default CPU generator and stores it back afterwards: the keep draws
