@@ -46,7 +46,8 @@ Progressive layer drop (``progressive_layer_drop`` section, `tachyon.engine.pld`
 mode the engine adds ``progressive_layer_drop=True, pld_theta=engine.get_pld_theta()`` to the
 model's forward (a model whose forward cannot take them is refused at initialize), and
 parameters that got no gradient in a step on any rank (dropped layers) are left untouched by the
-optimizer, master weights and moments alike.
+optimizer, master weights and moments alike. At ZeRO stage 3 each training forward runs on a CPU
+generator state shared by every rank (``engine.pld_draws``), so all ranks drop the same layers.
 
 MoQ (``quantize_training`` section, `tachyon.engine.moq`): after every optimizer step taken
 (boundary, no overflow) ``engine.quantizer`` counts the step and snaps the model's linear weights
@@ -74,7 +75,7 @@ from .cuda_graph import EngineCudaGraph, check_cuda_graph
 from .nonfinite import NonFiniteGradientsError, StepGuard
 from .onebit_hooks import bind_onebit_optimizer
 from .optim import ZeroOneAdam
-from .pld import PLD_KWARGS, ProgressiveLayerDrop, UnusedParameterGuard
+from .pld import PLD_KWARGS, ProgressiveLayerDrop, SharedLayerDraws, UnusedParameterGuard
 from .precision import DTYPES, Precision, build_precision
 from .preemption import PreemptionHandler
 from .setup import bind_optimizer, build_scheduler_of, check_engine_inputs, describe, param_groups_of, world_comm
@@ -190,6 +191,8 @@ class Engine(DeepSpeedEngineSurface, torch.nn.Module):
         pld = config.progressive_layer_drop
         self.progressive_layer_drop = ProgressiveLayerDrop(pld.theta, pld.gamma) if pld.enabled else None
         self._unused_guard = UnusedParameterGuard(self.zero, comm) if pld.enabled else None
+        self.pld_draws = SharedLayerDraws(self.world_comm, device) if pld.enabled and config.zero_stage == 3 else None
+        """Stage 3: the keep draws of every rank from one shared generator state (`tachyon.engine.pld`)."""
         self.quantizer = None
         """MoQ (``quantize_training`` section; `tachyon.engine.moq.EngineMoQ`), None when off."""
         if config.quantize_training.enabled:
@@ -241,7 +244,8 @@ class Engine(DeepSpeedEngineSurface, torch.nn.Module):
         self.telemetry.begin_forward(self.global_steps, self.micro_steps % self.gradient_accumulation_steps() == 0)
         if self.cuda_graph is not None and self.module.training:
             self.cuda_graph.before_forward(inputs, kwargs)
-        with self.telemetry.forward_phase():
+        shared = self.pld_draws is not None and self.module.training
+        with self.telemetry.forward_phase(), self.pld_draws.forward() if shared else nullcontext():
             return self.module(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:

@@ -31,6 +31,15 @@ restores their master weights and per-element optimizer states after ``optimizer
 The optimizer's step counter is per flat tensor, so a skipped parameter's Adam bias correction
 uses the global step count rather than its own (torch.optim keeps one per parameter); after the
 first few hundred steps the two corrections differ by less than 1e-3 relative.
+
+ZeRO stage 3. FSDP2 all-gathers a layer before its forward and reduce-scatters its gradients in
+its backward: collectives every data-parallel rank must join together, so every rank must keep
+and drop the same layers. The layers draw from torch's default CPU generator, which the ranks
+also use for their own purposes (data order, CPU dropout), so at stage 3 the engine runs each
+training forward on `SharedLayerDraws`: a CPU generator state identical on every rank of the job,
+swapped in for the forward and out after it. Dropped layers then get no gradient on any rank
+(FSDP2 reduce-scatters nothing for them; their gradient shard stays None) and the guard above,
+reading which shards received a gradient (`Stage3.slots_with_grad`), keeps them as at stage 2.
 """
 
 from __future__ import annotations
@@ -112,6 +121,76 @@ class ProgressiveLayerDrop:
         return f"ProgressiveLayerDrop(theta={self.theta}, gamma={self.gamma})"
 
 
+class SharedLayerDraws:
+    """One CPU generator state for the layers' keep draws, the same on every rank of the job
+    (ZeRO stage 3: module docstring).
+
+    The first training forward takes global rank 0's default CPU generator state (one all-reduce
+    of ~5 kB in which only rank 0 contributes), so ``torch.manual_seed`` before training reproduces the draws as at stages 0-2,
+    and a one-process run with the same seed draws the same decisions (when the forwards draw
+    nothing else from the CPU generator). Each training forward then runs with this state
+    swapped into torch's default CPU generator and stores it back afterwards: the keep draws
+    continue one stream, whatever the ranks draw between forwards (their own data, shuffling).
+    Activation checkpointing saves and restores the CPU generator around a recomputation, which
+    happens inside this stream's forward, so the recomputed forward draws the same decisions.
+    Other CPU random draws inside the forward (dropout of a model on the CPU) come from the
+    shared stream too: they are the same on every rank and must draw the same count everywhere
+    (equal shapes), or the following keep draws differ. A checkpoint stores the state; loading
+    takes rank 0's.
+
+    Args:
+        comm: collectives over every rank of the job (`tachyon.engine.setup.world_comm`).
+        device: the training device (the broadcast travels through it).
+    """
+
+    def __init__(self, comm: Any, device: torch.device):
+        self.comm, self.device = comm, device
+        self.state: torch.Tensor | None = None
+        """The shared generator state (a CPU uint8 tensor), None until the first training forward."""
+
+    def _from_rank_0(self, state: torch.Tensor | None) -> torch.Tensor | None:
+        """Rank 0's ``state`` (or None when rank 0 has none) on every rank. Collective: a SUM of
+        [flag, bytes] where only rank 0 contributes."""
+        if not self.comm.enabled:
+            return state
+        size = torch.get_rng_state().numel()
+        packed = torch.zeros(1 + size, dtype=torch.uint8, device=self.device)
+        if self.comm.rank == 0 and state is not None:
+            packed[0] = 1
+            packed[1:] = state.to(self.device)
+        self.comm.all_reduce(packed)
+        packed = packed.cpu()
+        return packed[1:].clone() if int(packed[0]) else None
+
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        """Around one training forward: the shared state in torch's default CPU generator (taken
+        from rank 0's default generator the first time: collective then), the caller's state back
+        afterwards."""
+        if self.state is None:
+            self.state = self._from_rank_0(torch.get_rng_state())
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.state)
+        try:
+            yield
+        finally:
+            self.state = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+    def state_dict(self) -> torch.Tensor | None:
+        """The state to save (None before the first training forward)."""
+        return None if self.state is None else self.state.clone()
+
+    def load_state_dict(self, state: torch.Tensor | None) -> None:
+        """Take rank 0's saved state (every rank: collective); None there (a checkpoint saved
+        without PLD at stage 3) starts again from rank 0's default generator at the next forward."""
+        if state is not None and not (torch.is_tensor(state) and state.dtype == torch.uint8
+                                      and state.shape == torch.get_rng_state().shape):
+            raise ValueError(f"the shared PLD generator state should be a uint8 tensor shaped like "
+                             f"torch.get_rng_state(); got {state!r:.80}")
+        self.state = self._from_rank_0(state)
+
+
 class UnusedParameterGuard:
     """Leaves parameters that got no gradient in a step (on any rank) exactly as they were.
 
@@ -129,7 +208,10 @@ class UnusedParameterGuard:
         self.zero, self.comm = zero, comm
         self.slots = list(zero.flat.slots)
         self.used = [False] * len(self.slots)
-        self._hooks = [
+        # stage 3: autograd accumulates into FSDP2's unsharded parameters, not the sharded ones a
+        # hook could sit on; the strategy says which gradient shards exist instead
+        self._read_grads = getattr(zero, "slots_with_grad", None)
+        self._hooks = [] if self._read_grads is not None else [
             slot.param.register_post_accumulate_grad_hook(self._marker(index)) for index, slot in enumerate(self.slots)
         ]
 
@@ -150,17 +232,19 @@ class UnusedParameterGuard:
 
     def unused_slots(self) -> list[int]:
         """Indices of the parameters no rank got a gradient for in this window. Collective."""
-        used = torch.tensor(self.used, dtype=torch.uint8, device=self.zero.flat.buffer.device)
+        flags = self._read_grads() if self._read_grads is not None else self.used
+        used = torch.tensor(flags, dtype=torch.uint8, device=self.zero.device)
         if self.comm.world_size > 1:
             self.comm.all_reduce(used, op=dist.ReduceOp.MAX)
         return [int(i) for i in torch.nonzero(used == 0).flatten().tolist()]
 
     def _local_pieces(self, unused: list[int]) -> list[tuple[int, int, int]]:
-        """(group, master offset, length) of the unused parameters' elements in this rank's
-        masters (its partition at stages 1/2, everything at stage 0)."""
+        """(master index, master offset, length) of the unused parameters' elements in this rank's
+        masters (its partition at stages 1/2, everything at stage 0, its shards at stage 3)."""
         zero = self.zero
         pieces = zero.master_pieces(zero.rank, whole=not zero.partitioned_masters)
-        return [(self.slots[index].group, offset, hi - lo) for index in unused for lo, hi, offset in pieces[index]]
+        return [(zero.master_index(self.slots[index]), offset, hi - lo)
+                for index in unused for lo, hi, offset in pieces[index]]
 
     @contextmanager
     def keep_unused(self, optimizer: torch.optim.Optimizer) -> Iterator[list[int]]:
@@ -172,8 +256,8 @@ class UnusedParameterGuard:
         same steps)."""
         unused = self.unused_slots()
         saved: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []
-        for group, start, length in self._local_pieces(unused):
-            master = self.zero.masters[group]
+        for master_index, start, length in self._local_pieces(unused):
+            master = self.zero.masters[master_index]
             targets = [master] + [
                 value for value in optimizer.state.get(master, {}).values()
                 if torch.is_tensor(value) and value.shape == master.shape
@@ -187,4 +271,4 @@ class UnusedParameterGuard:
                     tensor.narrow(0, start, length).copy_(copy)
 
 
-__all__ = ["PLD_KWARGS", "ProgressiveLayerDrop", "UnusedParameterGuard"]
+__all__ = ["PLD_KWARGS", "ProgressiveLayerDrop", "SharedLayerDraws", "UnusedParameterGuard"]

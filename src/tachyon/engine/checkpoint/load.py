@@ -194,6 +194,11 @@ def _check_training_state(engine, meta: dict, extra: dict, rng: Any, load_schedu
     if rng is not None and not (isinstance(rng, dict) and torch.is_tensor(rng.get("torch_cpu"))
                                 and isinstance(rng.get("python"), (list, tuple)) and len(rng["python"]) == 3):
         raise mf.CheckpointError(f"{ckpt}: the RNG state of rank {engine.world_comm.rank} is malformed")
+    shared = (rng or {}).get("pld_shared_cpu")
+    if shared is not None and not (torch.is_tensor(shared) and shared.dtype == torch.uint8
+                                   and shared.shape == torch.get_rng_state().shape):
+        raise mf.CheckpointError(f"{ckpt}: the shared progressive-layer-drop generator state of rank "
+                                 f"{engine.world_comm.rank} is malformed")
 
 
 def _restore_training_state(engine, meta: dict, extra: Any, rng: Any, load_scheduler: bool, rank: int) -> None:
@@ -221,3 +226,5 @@ def _restore_training_state(engine, meta: dict, extra: Any, rng: Any, load_sched
     else:  # more ranks now than when saved: the new ranks keep their generators
         logger.warning("load_checkpoint: no RNG state for rank %d (saved with %d ranks); its RNG is unchanged",
                        rank, meta["world_size"])
+    if getattr(engine, "pld_draws", None) is not None:  # stage 3 with PLD: rank 0's saved keep-draw stream
+        engine.pld_draws.load_state_dict((rng or {}).get("pld_shared_cpu"))

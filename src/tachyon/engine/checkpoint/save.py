@@ -219,6 +219,9 @@ def save_checkpoint(engine, save_dir, tag: Any = None, client_state: Any = None,
     current = None
     try:
         state = rng_state()
+        draws = getattr(engine, "pld_draws", None)  # stage 3 with PLD: the keep draws' shared generator
+        if draws is not None and draws.state is not None:
+            state["pld_shared_cpu"] = draws.state_dict()
         errors = error_feedback_state(engine.optimizer)
         if errors is not None:
             state["onebit_error_feedback"] = errors

@@ -247,6 +247,15 @@ class Stage3:
             grads.append(master.grad)
         return grads
 
+    def slots_with_grad(self) -> list[bool]:
+        """Per trained parameter (``flat.slots`` order): whether a gradient shard exists in this
+        accumulation window. FSDP2 reduce-scatters only the parameters that got a gradient in a
+        backward, so a parameter of a layer no micro-batch ran (progressive layer drop) has
+        none; `tachyon.engine.pld.UnusedParameterGuard` then keeps it as at stages 0-2. Local."""
+        if self.host_masters:  # end_backward moved every gradient shard into a host accumulator
+            return [self._host_grads[slot.index] is not None for slot in self.flat.slots]
+        return [slot.param.grad is not None for slot in self.flat.slots]
+
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The global L2 norm of the averaged gradient (0-dim fp32), every parameter counted once."""
         squares = [torch.linalg.vector_norm(g, dtype=torch.float32).square()
@@ -394,8 +403,6 @@ def check_stage3_inputs(model: nn.Module, config: Any, optimizer: Any) -> None:
     if isinstance(optimizer, Lamb):
         raise ValueError("ZeRO stage 3 with Lamb: LAMB's trust ratio needs each whole parameter's norm and stage 3 "
                          "steps per-parameter shards; use stage 1 or 2 with Lamb")
-    if config.progressive_layer_drop.enabled:
-        raise ValueError("progressive_layer_drop with ZeRO stage 3 is not available yet: use stage 0, 1 or 2")
     check_unit_classes(model, config.zero_optimization.shard_module_classes)
 
 
