@@ -47,8 +47,10 @@ def test_exp_avg_mask_applies_through_initialize(stage):
     mask = torch.ones(8, 6)
     mask[:3] = 0  # the first three output rows of fc1
     engine, model = _engine(stage, mask)
-    flat_mask = engine.optimizer.param_groups[0]["exp_avg_mask"]
-    assert flat_mask.shape == engine.optimizer.param_groups[0]["params"][0].shape
+    group = engine.optimizer.param_groups[0]
+    assert group["exp_avg_mask"] is mask  # kept as given (DeepSpeed's scripts read and replace it)
+    master = group["params"][0]
+    assert engine.optimizer.group_mask(0, group, master).shape == master.shape  # applied as the master is laid out
     frozen = None
     for step in range(5):
         torch.manual_seed(step)
@@ -79,7 +81,9 @@ def test_a_flattened_group_mask_is_the_shaped_one(stage):
     mask[:3] = 0
     shaped, shaped_model = _engine(stage, mask)
     flat, flat_model = _engine(stage, mask.flatten())
-    assert torch.equal(flat.optimizer.param_groups[0]["exp_avg_mask"], shaped.optimizer.param_groups[0]["exp_avg_mask"])
+    laid = [e.optimizer.group_mask(0, e.optimizer.param_groups[0], e.optimizer.param_groups[0]["params"][0])
+            for e in (shaped, flat)]
+    assert torch.equal(laid[0], laid[1])
     _train(shaped)
     _train(flat)
     assert shaped.optimizer.in_compression_stage
@@ -105,3 +109,20 @@ def test_exp_avg_mask_that_fits_no_parameter_is_refused_at_initialize():
         _engine(0, torch.ones(6, 8))
     with pytest.raises(ValueError, match=r"shape \(47,\) does not broadcast.*not their 48 elements flattened"):
         _engine(0, torch.ones(47))
+
+
+def test_a_mask_replaced_or_changed_after_initialize_applies_from_the_next_step():
+    """DeepSpeed's workflow: a script sets ``optimizer.param_groups[i]["exp_avg_mask"]`` (e.g. after
+    loading a checkpoint, which keeps the current mask); an in-place change counts too."""
+    mask = torch.ones(8, 6)
+    engine, model = _engine(1, mask)
+    _train(engine, 2)  # warm-up: the mask takes effect with the compressed steps
+    new = torch.ones(8, 6)
+    new[5:] = 0
+    engine.optimizer.param_groups[0]["exp_avg_mask"] = new
+    _train(engine, 2)
+    assert not safe_get_full_optimizer_state(model.fc1.weight, "exp_avg")[5:].any()
+    new[:2] = 0  # in place: rows 0-1 too from the next step on
+    _train(engine, 1)
+    momentum = safe_get_full_optimizer_state(model.fc1.weight, "exp_avg")
+    assert not momentum[:2].any() and not momentum[5:].any() and momentum[2:5].abs().min() > 0

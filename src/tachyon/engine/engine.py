@@ -73,7 +73,7 @@ from . import pipeline
 from .compat_surface import DeepSpeedEngineSurface, deepspeed_step, records_step
 from .cuda_graph import EngineCudaGraph, check_cuda_graph
 from .nonfinite import NonFiniteGradientsError, StepGuard
-from .onebit_hooks import bind_onebit_optimizer
+from .onebit_hooks import bind_masks, bind_onebit_optimizer
 from .optim import ZeroOneAdam
 from .pld import PLD_KWARGS, ProgressiveLayerDrop, SharedLayerDraws, UnusedParameterGuard
 from .precision import DTYPES, Precision, build_precision
@@ -178,6 +178,7 @@ class Engine(DeepSpeedEngineSurface, torch.nn.Module):
             from tachyon.parallel.tensor import tp_group
 
             tp = tp_group(mesh)
+        bind_masks(self.optimizer, self.zero)
         if not bind_onebit_optimizer(self.optimizer, self.zero, loss_scale=lambda: precision.loss_scale, tp=tp) \
                 and hasattr(self.optimizer, "in_compression_stage"):
             bound = self.optimizer

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from tachyon.engine.optim.masks import MaskedGroups
 from tachyon.engine.optim.onebit import OneBitOptimizer
 from tachyon.engine.zero.comm import DataParallelComm, Pending
 from tachyon.parallel.compression import DEFAULT_BLOCK_SIZE, CompressedReduceScatter
@@ -295,6 +296,15 @@ class OneBitComm:
             reducer.worker_error.copy_(error)
 
 
+def bind_masks(optimizer: object, zero) -> None:
+    """Give an optimizer that honours ``exp_avg_mask`` (`tachyon.engine.optim.masks.MaskedGroups`)
+    the ZeRO strategy's layout of its groups' masks, and lay each mask out once, so that a mask
+    that fits no layout is refused while the engine is built. The groups keep the masks as given."""
+    if isinstance(optimizer, MaskedGroups) and hasattr(zero, "mask_layout"):
+        optimizer.mask_layout = zero.mask_layout
+        optimizer.check_masks()
+
+
 def bind_onebit_optimizer(optimizer: object, zero, *, loss_scale: Callable[[], float] | None = None,
                           tp: object = None) -> bool:
     """Set a 1-bit optimizer up for the ZeRO strategy ``zero`` (see the module docstring); a
@@ -441,6 +451,6 @@ def load_error_feedback(optimizer: object, state: dict | None) -> None:
 
 __all__ = [
     "PENDING_GRADIENT_ERROR", "PENDING_MOMENTUM_ERROR", "OneBitComm", "average_gradients", "averages_gradients",
-    "bind_onebit_optimizer", "error_feedback_state", "is_onebit", "load_error_feedback", "reduce_gradients",
+    "bind_masks", "bind_onebit_optimizer", "error_feedback_state", "is_onebit", "load_error_feedback", "reduce_gradients",
     "stage_pending_errors",
 ]

@@ -74,6 +74,7 @@ from torch import Tensor
 
 from tachyon.engine.optim._state import advance_adam_state, check_adam_hyperparameters, restore_fp32_states
 from tachyon.engine.optim.lamb import _check_segments, segment_runs
+from tachyon.engine.optim.masks import MaskedGroups
 from tachyon.parallel.compression import (
     DEFAULT_BLOCK_SIZE,
     CompressedAllReduce,
@@ -211,7 +212,7 @@ def check_onebit_arguments(name: str, *, lr, betas, eps, weight_decay, freeze_st
                          f"got {block_size!r}")
 
 
-class OneBitOptimizer(torch.optim.Optimizer):
+class OneBitOptimizer(MaskedGroups, torch.optim.Optimizer):
     """Base of OneBitAdam and OneBitLamb (see the module docstring). Subclasses implement
     ``_warmup_group(group, plan)`` and ``_compressed_group(group, plan, previous_momenta)``."""
 
@@ -314,14 +315,14 @@ class OneBitOptimizer(torch.optim.Optimizer):
             previous.append(kept)
         if self.reduce_momentum:
             self._all_reduce_momentum()
-        for group in self.param_groups:
-            mask = group.get("exp_avg_mask")
+        for index, group in enumerate(self.param_groups):
             for p in group["params"]:
                 state = self.state[p]
                 # never-trained elements stay still (see the module docstring)
                 state["exp_avg"].masked_fill_(state["exp_avg_sq"] == 0, 0.0)
+                mask = self.group_mask(index, group, p)
                 if mask is not None:
-                    state["exp_avg"].mul_(self._mask_for(mask, p))
+                    state["exp_avg"].mul_(mask)
         for group, kept in zip(self.param_groups, previous):
             self._compressed_group(group, self.plan(group), kept)
         self._average_replicated()
@@ -346,15 +347,6 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 both.div_(tp.size)
                 flat.index_copy_(0, idx, both[:idx.numel()].to(flat.dtype))
                 momentum.index_copy_(0, idx, both[idx.numel():])
-
-    @staticmethod
-    def _mask_for(mask: Tensor, p: Tensor) -> Tensor:
-        try:
-            torch.broadcast_shapes(mask.shape, p.shape)
-        except RuntimeError:
-            raise ValueError(f"param group 'exp_avg_mask' of shape {tuple(mask.shape)} does not broadcast to a "
-                             f"parameter of shape {tuple(p.shape)}; give each masked parameter its own group") from None
-        return mask.to(device=p.device, dtype=torch.float32)
 
     # ------------------------------------------------------------------ communication
     def _momenta(self) -> list[Tensor]:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tachyon.engine.optim._state import restore_fp32_states
+from tachyon.engine.optim.masks import MaskedGroups
 from tachyon.engine.optim.onebit import check_onebit_arguments
 from tachyon.parallel.compression import DEFAULT_BLOCK_SIZE, CompressedAllReduce
 
@@ -60,7 +61,7 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-class ZeroOneAdam(torch.optim.Optimizer):
+class ZeroOneAdam(MaskedGroups, torch.optim.Optimizer):
     """0/1 Adam (module docstring). Params fp32, fp16 or bf16 (states fp32)."""
 
     def __init__(
@@ -144,7 +145,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
             return 1
         return dist.get_world_size(self.group)
 
-    def _average(self, p: Tensor, tensor: Tensor, group: dict) -> Tensor:
+    def _average(self, p: Tensor, tensor: Tensor, index: int, group: dict) -> Tensor:
         """The compressed mean of ``tensor`` over the ranks (itself on one rank), masked by the
         group's ``exp_avg_mask``."""
         if self._world_size() > 1:
@@ -155,9 +156,9 @@ class ZeroOneAdam(torch.optim.Optimizer):
             flat = tensor.reshape(-1).contiguous()
             reducer(flat)
             tensor = flat.view_as(tensor)
-        mask = group.get("exp_avg_mask")
+        mask = self.group_mask(index, group, p)
         if mask is not None:
-            tensor = tensor * mask.to(device=tensor.device, dtype=tensor.dtype)
+            tensor = tensor * mask
         return tensor
 
     # ------------------------------------------------------------------ step
@@ -168,7 +169,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         frozen = self.freeze_key
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -192,7 +193,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
                         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
                         m.mul_(beta1).add_(g, alpha=1.0 - beta1)
                     else:
-                        m.mul_(beta1).add_(self._average(p, g, group), alpha=1.0 - beta1)
+                        m.mul_(beta1).add_(self._average(p, g, index, group), alpha=1.0 - beta1)
                 else:
                     m.mul_(beta1).add_(g, alpha=1.0 - beta1)
                     state["lrs"] += lr
@@ -204,7 +205,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
                 if frozen:
                     if t % state["local_step_interval"] == 0:  # synchronise the ranks
                         anchor = state["sync_params"]
-                        mean = self._average(p, (p32 - anchor).mul_(denom), group)
+                        mean = self._average(p, (p32 - anchor).mul_(denom), index, group)
                         m.copy_(mean).div_(-state["lrs"])
                         p32.copy_(anchor.add_(mean.div_(denom)))
                         state["lrs"] = 0.0

@@ -175,14 +175,12 @@ class ZeroStrategy:
         and (``with_segments``) ``segments`` (int64 [n_seg, 3]: start, length, parameter index) /
         ``num_segments`` describing which original parameters the master holds (LAMB's
         per-parameter norms; 24 bytes per parameter piece, which other optimizers can do without).
-        A group's ``exp_avg_mask`` (1-bit Adam / LAMB: multiplied into each parameter's momentum)
-        is given for the parameters' shape; it comes out laid out as the master (`_flat_mask`)."""
+        A group's ``exp_avg_mask`` (1-bit Adam / LAMB / 0/1 Adam) stays as given: the optimizer
+        lays it out as the master through :meth:`mask_layout` (`tachyon.engine.optim.masks`)."""
         groups = []
         for region, master in zip(self.flat.regions, self.masters):
             group = dict(region.options)
             group["params"] = [master]
-            if torch.is_tensor(group.get("exp_avg_mask")):
-                group["exp_avg_mask"] = self._flat_mask(region, master, group["exp_avg_mask"])
             if not with_segments:
                 groups.append(group)
                 continue
@@ -195,6 +193,11 @@ class ZeroStrategy:
             group["num_segments"] = len(region.slots)
             groups.append(group)
         return groups
+
+    def mask_layout(self, index: int, mask: torch.Tensor) -> torch.Tensor:
+        """Param group ``index``'s ``exp_avg_mask`` (given for its model parameters) laid out as
+        this rank's master of the group (the optimizers' ``mask_layout``)."""
+        return self._flat_mask(self.flat.regions[index], self.masters[index], mask)
 
     def _flat_mask(self, region: GroupRegion, master: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``mask`` laid out as this rank's ``master``: each parameter's mask (:func:`_masks_per_param`)
