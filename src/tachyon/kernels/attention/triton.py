@@ -697,14 +697,15 @@ def attention_bwd(
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if deterministic else None
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if launch._wrapping:  # traced: each unused pointer a tensor of its own (module docstring)
-        return _attention_bwd_traced(dout, q, k, v, out, lse, bias, dropout_p, seed, softmax_scale, qkv_bias,
-                                     deterministic, batch, heads, kv_heads, seq_q, seq_k, bucket, inv_keep, flags,
-                                     delta, dq, dk, dv)
     seed_int, seed_ptr, from_ptr = seed_args(seed, delta)
-    bias_arg = bias if bias is not None else q
+    traced = launch._wrapping
+    ub, uqb, udq, upart = q, q, dk, delta  # the unused pointers' stand-ins
+    if traced:  # a tensor of its own each; the partial sums zero-filled, all rows summed (module docstring)
+        ub, uqb, udq, upart = q.new_empty(0), q.new_empty(0), dk.new_empty(0), delta.new_empty(0)
+        seed_ptr = seed_ptr if from_ptr else delta.new_empty(0)
+    bias_arg = bias if bias is not None else ub
     bias_stride = bias.stride(0) if bias is not None else 0
-    qkv_bias_arg = qkv_bias if qkv_bias is not None else q
+    qkv_bias_arg = qkv_bias if qkv_bias is not None else uqb
     common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout))
     if deterministic:
         _bwd_dq_kernel[lambda meta: (cdiv(seq_q, meta["BLOCK_M"]), batch * heads)](
@@ -718,7 +719,7 @@ def attention_bwd(
             out, dout, delta, *_strides3(out), *_strides3(dout), heads, seq_q,
             HEAD_DIM=flags["HEAD_DIM"], BLOCK_D=flags["BLOCK_D"], BLOCK_M=block_delta,
         )
-    # the atomic variant's fp32 dQ accumulator; otherwise dk stands in (never read or written)
+    # the atomic variant's fp32 dQ accumulator; otherwise a stand-in (never read or written)
     dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     # the bias gradient's partial sums: one row per dK/dV program, of which there are at most as
     # many as with the smallest BLOCK_N the autotuner may pick; only the chosen config's rows are summed
@@ -726,9 +727,11 @@ def attention_bwd(
     if qkv_bias is not None:
         smallest_block_n = min(c.kwargs["BLOCK_N"] for c in _bwd_dkdv_kernel.configs)
         part = partials(batch * cdiv(seq_k, smallest_block_n), 1, qkv_bias.numel(), q.device)
+        if traced:
+            part.zero_()
     _bwd_dkdv_kernel[lambda meta: (cdiv(seq_k, meta["BLOCK_N"]), batch * kv_heads)](
-        q, k, v, bias_arg, dout, lse, delta, dk, dv, dq_acc if dq_acc is not None else dk, qkv_bias_arg,
-        part if part is not None else delta,
+        q, k, v, bias_arg, dout, lse, delta, dk, dv, dq_acc if dq_acc is not None else udq, qkv_bias_arg,
+        part if part is not None else upart,
         *common, *_strides3(dk), bias_stride, part.stride(0) if part is not None else 0,
         heads, kv_heads, heads // kv_heads, seq_q, seq_k, bucket,
         softmax_scale, dropout_threshold(dropout_p), inv_keep, seed_int, seed_ptr, SEED_FROM_PTR=from_ptr,
@@ -736,7 +739,7 @@ def attention_bwd(
     )
     dbias = None
     if part is not None:
-        rows = batch * cdiv(seq_k, _bwd_dkdv_kernel.best_config.kwargs["BLOCK_N"])
+        rows = part.shape[0] if traced else batch * cdiv(seq_k, _bwd_dkdv_kernel.best_config.kwargs["BLOCK_N"])
         (dbias,) = sum_partials(part[:rows], [qkv_bias.dtype])
     if dq_acc is not None:
         if dq is not None:
@@ -784,48 +787,3 @@ def _attention_bwd_one_kernel(dout, q, k, v, out, lse, bias, dropout_p, seed, so
         (dbias,) = sum_partials(part[:rows], [qkv_bias.dtype])
     return dq, dk, dv, dbias
 
-
-def _attention_bwd_traced(dout, q, k, v, out, lse, bias, dropout_p, seed, softmax_scale, qkv_bias, deterministic,
-                          batch, heads, kv_heads, seq_q, seq_k, bucket, inv_keep, flags, delta, dq, dk, dv):
-    """attention_bwd's two-kernel launches as torch.compile traces them (module docstring): each
-    unused pointer a tensor of its own, the QKV-bias partial sums zero-filled and summed whole."""
-    seed_int, seed_ptr, from_ptr = seed_args(seed, delta)
-    if not from_ptr:
-        seed_ptr = delta.new_empty(0)
-    bias_stride = bias.stride(0) if bias is not None else 0
-    common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout))
-    bias_arg = bias if bias is not None else q.new_empty(0)
-    qkv_bias_arg = qkv_bias if qkv_bias is not None else q.new_empty(0)
-    if deterministic:
-        _bwd_dq_kernel[lambda meta: (cdiv(seq_q, meta["BLOCK_M"]), batch * heads)](
-            q, k, v, bias_arg, dout, lse, delta, dq, out, qkv_bias_arg, *common, *_strides3(dq), bias_stride,
-            *_strides3(out), heads, heads // kv_heads, seq_q, seq_k, bucket, softmax_scale,
-            dropout_threshold(dropout_p), inv_keep, seed_int, seed_ptr, SEED_FROM_PTR=from_ptr, STORE_DELTA=True,
-            **flags,
-        )
-    else:
-        block_delta = 32 if triton_interpreting() else 64
-        _bwd_delta_kernel[(cdiv(seq_q, block_delta), batch * heads)](
-            out, dout, delta, *_strides3(out), *_strides3(dout), heads, seq_q,
-            HEAD_DIM=flags["HEAD_DIM"], BLOCK_D=flags["BLOCK_D"], BLOCK_M=block_delta,
-        )
-    dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    part = None
-    if qkv_bias is not None:
-        smallest_block_n = min(c.kwargs["BLOCK_N"] for c in _bwd_dkdv_kernel.configs)
-        part = torch.zeros((batch * cdiv(seq_k, smallest_block_n), qkv_bias.numel()), dtype=torch.float32,
-                           device=q.device)
-    _bwd_dkdv_kernel[lambda meta: (cdiv(seq_k, meta["BLOCK_N"]), batch * kv_heads)](
-        q, k, v, bias_arg, dout, lse, delta, dk, dv, dq_acc if dq_acc is not None else dk.new_empty(0),
-        qkv_bias_arg, part if part is not None else delta.new_empty(0),
-        *common, *_strides3(dk), bias_stride, part.stride(0) if part is not None else 0,
-        heads, kv_heads, heads // kv_heads, seq_q, seq_k, bucket,
-        softmax_scale, dropout_threshold(dropout_p), inv_keep, seed_int, seed_ptr, SEED_FROM_PTR=from_ptr,
-        ATOMIC_DQ=not deterministic, **flags,
-    )
-    dbias = sum_partials(part, [qkv_bias.dtype])[0] if part is not None else None
-    if dq_acc is not None:
-        if dq is not None:
-            return dq.copy_(dq_acc), dk, dv, dbias
-        return (dq_acc if q.dtype == torch.float32 else dq_acc.to(q.dtype)), dk, dv, dbias
-    return dq, dk, dv, dbias
