@@ -188,7 +188,8 @@ def _fused_norm(
             and (residual is None or (type(residual) in _PLAIN and residual.shape == x.shape
                                       and residual.dtype == dtype and residual.device == device))
             and eps >= 0):
-        _check_norm_args(op, x, weight, bias, residual, eps)
+        _check_norm_args(op, x, weight, bias, residual, eps)  # raises, or passes another tensor type
+        n, dtype = x.shape[-1], x.dtype  # (the expression stopped before assigning them)
     chosen = resolve(x, backend)
     if chosen == "triton" and auto_on_cuda(x, backend) and weight.dtype == dtype \
             and (bias is None or bias.dtype == dtype) \
