@@ -109,16 +109,19 @@ def resolve(qualname: str, target: Target) -> Any:
 
 
 def module_getattr(module_name: str, foreign: str, table: dict[str, Target],
-                   extra: Callable[[], list[str]] = list) -> Callable[[str], Any]:
-    """A module ``__getattr__`` serving ``table``; an unknown name is an AttributeError listing
-    the names this compat module maps (with a did-you-mean)."""
+                   extra: Callable[[], list[str]] = list, *, submodules: tuple[str, ...] = ()) -> Callable[[str], Any]:
+    """A module ``__getattr__`` serving ``table`` and importing the package's ``submodules`` when
+    first read; an unknown name is an AttributeError listing the names this compat module maps
+    (``extra()`` and the submodules included; with a did-you-mean)."""
 
     def __getattr__(name: str) -> Any:
+        if name in submodules:
+            return importlib.import_module(f"{module_name}.{name}")
         if name in table:
             return resolve(f"{foreign}.{name}", table[name])
         if name.startswith("__"):
             raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
-        known = sorted([*table, *extra()])
+        known = sorted({*table, *extra(), *submodules})
         close = difflib.get_close_matches(name, known, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise AttributeError(

@@ -23,8 +23,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 from tachyon.compat._names import Target, module_getattr, unsupported
 from tachyon.compat.deepspeed.arguments import add_config_arguments
 
@@ -62,17 +60,7 @@ _TABLE: dict[str, Target] = {
 _SUBMODULES = ("accelerator", "comm", "module_inject", "ops", "pipe", "profiling", "runtime", "utils", "zero")
 
 
-def _submodules() -> list[str]:
-    return list(_SUBMODULES)
-
-
-_lookup = module_getattr(__name__, "deepspeed", _TABLE, _submodules)
-
-
-def __getattr__(name: str):
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    return _lookup(name)
+__getattr__ = module_getattr(__name__, "deepspeed", _TABLE, submodules=_SUBMODULES)
 
 
 def __dir__() -> list[str]:

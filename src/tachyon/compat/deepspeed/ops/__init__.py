@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 from tachyon.compat._names import module_getattr, unsupported
 
 _SUBMODULES = ("adam", "lamb", "op_builder", "transformer")
@@ -12,7 +10,7 @@ _TABLE = {
                                     "dense flash attention: tachyon.nn.DotProductAttention)"),
     "deepspeed4science": unsupported("DeepSpeed4Science kernels are not implemented by tachyon"),
 }
-_lookup = module_getattr(__name__, "deepspeed.ops", _TABLE, lambda: list(_SUBMODULES))
+_lookup = module_getattr(__name__, "deepspeed.ops", _TABLE, submodules=_SUBMODULES)
 
 
 def __getattr__(name: str):
@@ -20,8 +18,6 @@ def __getattr__(name: str):
         from tachyon.compat.deepspeed.ops.op_builder import COMPATIBLE_OPS
 
         return COMPATIBLE_OPS
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
     return _lookup(name)
 
 

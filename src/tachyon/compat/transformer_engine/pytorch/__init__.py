@@ -14,8 +14,6 @@ implemented and raise NotImplementedError saying what to use.
 
 from __future__ import annotations
 
-import importlib
-
 from tachyon.compat._names import Target, module_getattr, unsupported
 
 _NN = ("Linear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP", "DotProductAttention",
@@ -41,13 +39,7 @@ _TABLE.update({
     "Fp8Unpadding": unsupported("FP8 padding for grouped GEMMs is not implemented by tachyon"),
 })
 _SUBMODULES = ("attention", "distributed")
-_lookup = module_getattr(__name__, "transformer_engine.pytorch", _TABLE, lambda: list(_SUBMODULES))
-
-
-def __getattr__(name: str):
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    return _lookup(name)
+__getattr__ = module_getattr(__name__, "transformer_engine.pytorch", _TABLE, submodules=_SUBMODULES)
 
 
 def __dir__() -> list[str]:

@@ -6,8 +6,6 @@ provided: using one raises NotImplementedError saying so."""
 
 from __future__ import annotations
 
-import importlib
-
 from tachyon.compat._names import module_getattr
 
 WHY = ("DeepSpeed's compressed-communication backend is not provided: tachyon's 1-bit optimizers use "
@@ -16,13 +14,7 @@ WHY = ("DeepSpeed's compressed-communication backend is not provided: tachyon's 
        "docs/onebit.md")
 
 _SUBMODULES = ("compressed", "mpi", "nccl")
-_lookup = module_getattr(__name__, "deepspeed.runtime.comm", {}, lambda: list(_SUBMODULES))
-
-
-def __getattr__(name: str):
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    return _lookup(name)
+__getattr__ = module_getattr(__name__, "deepspeed.runtime.comm", {}, submodules=_SUBMODULES)
 
 
 __all__ = list(_SUBMODULES)
