@@ -291,56 +291,37 @@ def bias_dropout_add_norm_bwd(
     programs = row_programs(m, dy.device, max_programs(dy.device) // 2)
     rows_per_program = cdiv(m, programs)
     programs = cdiv(m, rows_per_program)
-    if launch._wrapping:  # traced (module docstring)
-        return _bdan_bwd_traced(dy, saved, dz_out, weight, ln_bias, mean, rstd, p, seed, rms, from_output, want_dbias,
-                                dbias_dtype, dx, dres, programs, rows_per_program)
-    # the partial sums of dweight, dln_bias, dbias (those wanted): groups of one buffer, one launch to sum
     groups = [weight.dtype] + ([ln_bias.dtype] if ln_bias is not None else []) + ([dbias_dtype] if want_dbias else [])
-    part = partials(programs, len(groups), n, dy.device)
-    dw_part = part[:, :n]
-    dlnb_part = part[:, n:2 * n] if ln_bias is not None else None
-    db_part = part[:, (len(groups) - 1) * n:] if want_dbias else None
+    if launch._wrapping:  # traced: a partial-sum buffer per sum, each unused pointer a tensor of its own (module docstring)
+        part = None
+        dw_part, dlnb_part, db_part = (partials(programs, 1, n, dy.device) if wanted else dy.new_empty(0, dtype=torch.float32)
+                                       for wanted in (True, ln_bias is not None, want_dbias))
+        udz, ulnb, ures, useed = dy.new_empty(0), weight.new_empty(0), dx.new_empty(0), rstd.new_empty(0)
+        if rms or from_output:  # the caller's mean may be rstd itself
+            mean = rstd.new_empty(0)
+    else:  # the partial sums of dweight, dln_bias, dbias (those wanted): groups of one buffer, one launch to sum
+        part = partials(programs, len(groups), n, dy.device)
+        dw_part = part[:, :n]
+        dlnb_part = part[:, n:2 * n] if ln_bias is not None else dw_part
+        db_part = part[:, (len(groups) - 1) * n:] if want_dbias else dw_part
+        udz, ulnb, ures, useed = dy, weight, dx, rstd  # the unused pointers' stand-ins
     block_n, num_warps = row_config(n)
     block_n = max(block_n, 8)  # the dropout mask takes whole 8-column groups
-    seed_int, seed_ptr, seed_from_ptr = seed_args(seed, rstd)
+    seed_int, seed_ptr, seed_from_ptr = seed_args(seed, useed)
     _bda_norm_bwd_kernel[(programs,)](
-        dy, saved, dz_out if dz_out is not None else dy, weight, ln_bias if ln_bias is not None else weight,
-        mean, rstd, dx, dres if dres is not None else dx, dw_part,
-        dlnb_part if dlnb_part is not None else dw_part, db_part if db_part is not None else dw_part,
+        dy, saved, dz_out if dz_out is not None else udz, weight, ln_bias if ln_bias is not None else ulnb,
+        mean, rstd, dx, dres if dres is not None else ures, dw_part, dlnb_part, db_part,
         m, n, dy.stride(0), saved.stride(0), dz_out.stride(0) if dz_out is not None else 0, dx.stride(0),
-        dres.stride(0) if dres is not None else 0, part.stride(0), rows_per_program, seed_int, seed_ptr,
+        dres.stride(0) if dres is not None else 0, dw_part.stride(0), rows_per_program, seed_int, seed_ptr,
         dropout_threshold(p), dropout_scale(p),
         HAS_LNB=ln_bias is not None, HAS_DZ_OUT=dz_out is not None, STORE_DRES=store_dres, HAS_BIAS=want_dbias,
         DROPOUT=p > 0, SEED_FROM_PTR=seed_from_ptr, IS_RMS=rms, FROM_OUTPUT=from_output, BLOCK_N=block_n, num_warps=num_warps,
     )
-    sums = sum_partials(part, groups)
+    if part is None:  # traced: one reduction per sum wanted, in the groups' order
+        wanted = [t for t, w in zip((dw_part, dlnb_part, db_part), (True, ln_bias is not None, want_dbias)) if w]
+        sums = [sum_partials(t, [dt])[0] for t, dt in zip(wanted, groups)]
+    else:
+        sums = sum_partials(part, groups)
     dw = sums[0]
     dlnb = sums[1] if ln_bias is not None else None
     return dx, dres, (sums[-1] if want_dbias else None), dw, dlnb
-
-
-def _bdan_bwd_traced(dy, saved, dz_out, weight, ln_bias, mean, rstd, p, seed, rms, from_output, want_dbias,
-                     dbias_dtype, dx, dres, programs, rows_per_program):
-    """bias_dropout_add_norm_bwd's launch as torch.compile traces it: no aliasing arguments, one
-    partial-sum buffer per sum (each summed by ``sum_partials``)."""
-    m, n = dy.shape
-    parts = [partials(programs, 1, n, dy.device) if wanted else dy.new_empty(0, dtype=torch.float32)
-             for wanted in (True, ln_bias is not None, want_dbias)]
-    block_n, num_warps = row_config(n)
-    block_n = max(block_n, 8)  # the dropout mask takes whole 8-column groups
-    seed_int, seed_ptr, seed_from_ptr = seed_args(seed, rstd.new_empty(0))
-    _bda_norm_bwd_kernel[(programs,)](
-        dy, saved, dz_out if dz_out is not None else dy.new_empty(0), weight,
-        ln_bias if ln_bias is not None else weight.new_empty(0), rstd.new_empty(0) if rms or from_output else mean, rstd,
-        dx, dres if dres is not None else dx.new_empty(0), *parts,
-        m, n, dy.stride(0), saved.stride(0), dz_out.stride(0) if dz_out is not None else 0, dx.stride(0),
-        dres.stride(0) if dres is not None else 0, parts[0].stride(0), rows_per_program, seed_int, seed_ptr,
-        dropout_threshold(p), dropout_scale(p),
-        HAS_LNB=ln_bias is not None, HAS_DZ_OUT=dz_out is not None, STORE_DRES=dres is not None, HAS_BIAS=want_dbias,
-        DROPOUT=p > 0, SEED_FROM_PTR=seed_from_ptr, IS_RMS=rms, FROM_OUTPUT=from_output, BLOCK_N=block_n,
-        num_warps=num_warps,
-    )
-    (dw,) = sum_partials(parts[0], [weight.dtype])
-    dlnb = sum_partials(parts[1], [ln_bias.dtype])[0] if ln_bias is not None else None
-    db = sum_partials(parts[2], [dbias_dtype])[0] if want_dbias else None
-    return dx, dres, db, dw, dlnb
