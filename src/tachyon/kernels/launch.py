@@ -42,6 +42,11 @@ tensors), under an Autotuner with the same configs where the kernel is autotuned
 which arguments a traced kernel writes by lowering it for the GPU target; under the interpreter
 there is none, so torch takes every tensor argument as written (cloned before the kernel and
 written back after it; kernels/registry.py gives such a traced op copies of its read-only inputs).
+Because every argument a traced kernel may write is cloned and written back, a traced launch
+passes no two arguments that alias (they would be written back over each other): a pointer the
+kernel does not touch, which an eager launch fills with another argument, is a tensor of its own
+(``t.new_empty(0)``) while ``_wrapping`` is set, and partial sums go to buffers of their own
+rather than views of one buffer.
 """
 
 from __future__ import annotations

@@ -208,8 +208,8 @@ def sum_partials(part: torch.Tensor, dtypes: list[torch.dtype]) -> list[torch.Te
     Inside :func:`deferred_sums` the outputs are returned unwritten and the reduction is queued.
     Traced by torch.compile (``launch.wrapped_launches``) the sums are torch's (in fp32, then
     cast), computed at once: a reduction the compiler handles for any number of rows (the kernel's
-    BLOCK_P, a constexpr, would fix P), and no output passed for two pointers (torch
-    functionalizes a traced kernel by cloning the arguments it writes and writing them back)."""
+    BLOCK_P, a constexpr, would fix P), and no output passed for two pointers (kernels/launch.py:
+    a traced launch passes no aliasing arguments)."""
     groups = len(dtypes)
     p, width = part.shape if part.dim() == 2 else (0, -1)
     if not 1 <= groups <= 3 or width < 0 or width % groups:

@@ -9,10 +9,8 @@ act'(h) from x and the bias (y is never read), writing dx = dy * act'(h) (gated:
 act'(a), d_g = dy * act(a)) and accumulating the column sums of dx in fp32 into a per-program row
 of partial bias gradients that the launcher sums. The activations' closed forms are in reference.py.
 
-Traced by torch.compile (inside ``launch.wrapped_launches``, see kernels/registry.py), a pointer
-the kernel does not touch (no bias) is a tensor of its own instead of another argument: torch
-functionalizes a traced kernel by cloning each argument it may write and writing the clones back,
-so two arguments that alias would be written back over each other.
+Traced by torch.compile, a pointer the kernel does not touch (no bias) is a tensor of its own
+instead of another argument (kernels/launch.py: a traced launch passes no aliasing arguments).
 """
 
 from __future__ import annotations

@@ -48,12 +48,10 @@ On GPU each kernel autotunes over a few block shapes (key: head_dim, flags, dtyp
 power-of-two bucket of the sequence length); under the interpreter there is one small config.
 fp32 inputs use IEEE fp32 dots (no TF32), so fp32 results match an fp32 reference.
 
-Traced by torch.compile (inside ``launch.wrapped_launches``, see kernels/registry.py), the launch
-arguments differ in two ways. A pointer the kernel does not touch (no padding bias, no QKV bias,
-the seed pointer of an int seed, the atomic dQ buffer of the deterministic backward) is a tensor
-of its own instead of another argument: torch functionalizes a traced kernel by cloning each
-argument it may write and writing the clones back, so two arguments that alias would be written
-back over each other. And the QKV-bias gradient's partial sums do not depend on the config the
+Traced by torch.compile, the launch arguments differ in two ways. A pointer the kernel does not
+touch (no padding bias, no QKV bias, the seed pointer of an int seed, the atomic dQ buffer of the
+deterministic backward) is a tensor of its own instead of another argument (kernels/launch.py: a
+traced launch passes no aliasing arguments). And the QKV-bias gradient's partial sums do not depend on the config the
 autotuner picks: eagerly the launcher reads the chosen BLOCK_N after the launch (``best_config``)
 and sums only the rows that config's programs wrote, but in a traced graph the config is chosen
 when the graph runs (Inductor autotunes user kernels itself), after the sum was traced. So the

@@ -25,12 +25,10 @@ accumulating dweight (dy * xhat), dln_bias (dy) and dbias (dx) partials per prog
 summed by one more launch (``sum_partials``). The norm's
 row math (statistics; xhat and dz) is kernels/layernorm's ``row_stats`` / ``row_grad``.
 
-Traced by torch.compile (inside ``launch.wrapped_launches``, see kernels/registry.py), the launch
-arguments differ in two ways: a pointer the kernel does not touch (no bias, no residual, the seed
-pointer of an int seed, ...) is a tensor of its own instead of another argument (torch
-functionalizes a traced kernel by cloning each argument it may write and writing the clones back:
-two arguments that alias would be written back over each other), and the fused norm backward's
-partial sums go to one buffer per sum instead of column groups (views) of one buffer.
+Traced by torch.compile, a pointer the kernel does not touch (no bias, no residual, the seed
+pointer of an int seed, ...) is a tensor of its own instead of another argument, and the fused
+norm backward's partial sums go to one buffer per sum instead of column groups (views) of one
+buffer (kernels/launch.py: a traced launch passes no aliasing arguments).
 """
 
 from __future__ import annotations

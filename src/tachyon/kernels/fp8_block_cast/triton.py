@@ -12,10 +12,8 @@ torch.amax propagates it). Scale: the reference's rule with a correctly rounded 
 (``tl.div_rn``), so the bits equal the PyTorch path's. The FP8 conversion is tachyon.kernels.
 fp8_cast's integer one (``_fp8_codes``), bit-identical to torch's cast.
 
-Traced by torch.compile (inside ``launch.wrapped_launches``, see kernels/registry.py), an output
-pointer the kernel does not write is a tensor of its own instead of x: torch functionalizes a
-traced kernel by cloning each argument it may write and writing the clones back, so two arguments
-that alias would be written back over each other. Constexprs are computed without tensors
+Traced by torch.compile, an output pointer the kernel does not write is a tensor of its own
+instead of x (kernels/launch.py: a traced launch passes no aliasing arguments). Constexprs are computed without tensors
 (``_fp32``), which a traced implementation sees as fake tensors without values.
 """
 

@@ -20,10 +20,9 @@ One case needs care: an amax that already holds a NaN with the sign bit set is a
 which the max would overwrite; the one program whose atomic returns that old value writes a
 positive NaN after it, so a NaN amax stays NaN (as torch.maximum keeps it).
 
-Traced by torch.compile (inside ``launch.wrapped_launches``, see kernels/registry.py), the amax
-pointer without an amax is a tensor of its own instead of a view of scale: torch functionalizes
-a traced kernel by cloning each argument it may write (the atomic's target) and writing it back,
-which would write into scale.
+Traced by torch.compile, the amax pointer without an amax is a tensor of its own instead of a
+view of scale (kernels/launch.py: a traced launch passes no aliasing arguments; the atomic's
+target would be written back into scale).
 """
 
 from __future__ import annotations

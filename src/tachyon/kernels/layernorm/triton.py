@@ -16,11 +16,9 @@ launcher sums over programs in one more launch (kernels/tiling.py ``sum_partials
 The row math (:func:`row_stats`, :func:`row_grad`) is shared with the fused
 bias + dropout + residual + norm kernels of kernels/dropout.
 
-Traced by torch.compile (inside ``launch.wrapped_launches``, see kernels/registry.py), the launch
-arguments differ in two ways: a pointer the kernel does not touch (no residual, no bias, ...) is a
-tensor of its own instead of another argument (torch functionalizes a traced kernel by cloning
-each argument it may write, so two arguments that alias would be written back over each other),
-and the backward's partial sums of dweight and dbias go to two buffers summed with torch (a
+Traced by torch.compile, a pointer the kernel does not touch (no residual, no bias, ...) is a
+tensor of its own instead of another argument (kernels/launch.py: a traced launch passes no
+aliasing arguments), and the backward's partial sums of dweight and dbias go to two buffers summed with torch (a
 reduction the compiler handles) instead of one buffer summed by ``tiling.sum_partials``.
 """
 

@@ -26,10 +26,9 @@ programs running together share B's column blocks in cache. On a GPU the kernel 
 few BLOCK_N / BLOCK_K / warps / stages; BLOCK_M is the launcher's (the partial sums have one row
 per row block); under the interpreter there is one small config.
 
-Traced by torch.compile (inside ``launch.wrapped_launches``, see kernels/registry.py), a pointer
-the kernel does not touch (no bias; no partial sums) is a tensor of its own instead of another
-argument: torch functionalizes a traced kernel by cloning each argument it may write and writing
-the clones back, so two arguments that alias would be written back over each other. The
+Traced by torch.compile, a pointer the kernel does not touch (no bias; no partial sums) is a
+tensor of its own instead of another argument (kernels/launch.py: a traced launch passes no
+aliasing arguments). The
 autotuner runs as torch.compile's backend has it: Inductor benchmarks the configs itself; the
 eager and aot_eager backends launch through Triton's Autotuner.
 """
